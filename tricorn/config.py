@@ -1,0 +1,477 @@
+"""Typed run configuration: one dataclass per section, Megatron-LM flag names.
+
+The dataclasses are the single source of truth. The command line is generated
+from their fields (``--num-layers`` <- ``ModelConfig.num_layers``), a YAML file
+(``--config``) uses the same names grouped by section, and command-line flags
+override the file. ``validate`` checks a config before any process group exists
+and returns one human sentence per problem; ``parse_config`` prints them and
+exits 2 without a traceback.
+
+No collectives and no device work happen here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    """A dataclass field that also describes its command-line flag."""
+    meta["help"] = help
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = _f(2, "Number of transformer blocks.")
+    hidden_size: int = _f(64, "Model width h.")
+    ffn_hidden_size: Optional[int] = _f(None, "MLP inner width (default 4h, or Llama's 2/3*4h rounded to 256 with --swiglu... see README).")
+    num_attention_heads: int = _f(4, "Query heads a.")
+    num_query_groups: Optional[int] = _f(None, "Key/value heads for GQA/MQA (needs --group-query-attention).")
+    group_query_attention: bool = _f(False, "Use --num-query-groups key/value heads.")
+    seq_length: int = _f(64, "Tokens per sample.")
+    max_position_embeddings: Optional[int] = _f(None, "Longest position (default: --seq-length).")
+    position_embedding_type: str = _f("rope", "Position encoding.", choices=["rope", "learned_absolute"])
+    rotary_base: float = _f(10000.0, "RoPE base theta.")
+    normalization: str = _f("RMSNorm", "Norm layer.", choices=["RMSNorm", "LayerNorm"])
+    norm_epsilon: float = _f(1e-5, "Epsilon of the norms.")
+    swiglu: bool = _f(False, "SwiGLU MLP instead of GeLU.")
+    disable_bias_linear: bool = _f(False, "No biases in the linear layers.")
+    untie_embeddings_and_output_weights: bool = _f(False, "Separate output head instead of reusing the embedding.")
+    hidden_dropout: float = _f(0.0, "Dropout on the residual branches.")
+    attention_dropout: float = _f(0.0, "Dropout on the attention probabilities.")
+    init_method_std: float = _f(0.02, "Std of the normal initialisation.")
+    vocab_size: Optional[int] = _f(None, "Vocabulary size (NullTokenizer / mock data; otherwise from the tokenizer).")
+    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this times TP.")
+    # Activation recomputation (issue: Recompute).
+    recompute_granularity: Optional[str] = _f(None, "Recompute activations in backward.", choices=["full", "selective"])
+    recompute_method: Optional[str] = _f(None, "How full recompute picks layers.", choices=["uniform", "block"])
+    recompute_num_layers: Optional[int] = _f(None, "Layers per recompute group (uniform) or recomputed layers per stage (block).")
+    recompute_modules: list = _f(["core_attn"], "Modules recomputed by selective recompute.", nargs="+", choices=["core_attn", "mlp", "norm"])
+    transformer_impl: str = _f("local", "Layer implementation.", choices=["local", "transformer_engine"])
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups if self.group_query_attention and self.num_query_groups else self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    def padded_vocab_size(self, tp: int) -> int:
+        assert self.vocab_size is not None, "vocab_size must be resolved before the model is built"
+        multiple = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = _f(1, "TP: ranks that split each layer's matrices (keep within a node).")
+    pipeline_model_parallel_size: int = _f(1, "PP: pipeline stages.")
+    context_parallel_size: int = _f(1, "CP: ranks that split the sequence of each sample.")
+    sequence_parallel: bool = _f(False, "Shard norms/dropout activations along the sequence over TP.")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = _f(None, "Layers per model chunk (interleaved 1F1B).")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = _f(None, "Model chunks per pipeline rank (interleaved 1F1B).")
+    decoder_first_pipeline_num_layers: Optional[int] = _f(None, "Layers on the first pipeline stage (uneven split).")
+    decoder_last_pipeline_num_layers: Optional[int] = _f(None, "Layers on the last pipeline stage (uneven split).")
+    pipeline_schedule: str = _f("1f1b", "Pipeline schedule (interleaved is picked automatically with virtual stages).", choices=["1f1b", "gpipe"])
+    use_distributed_optimizer: bool = _f(False, "Shard optimizer state over DP (ZeRO-1).")
+    zero_stage: int = _f(1, "ZeRO stage with --use-distributed-optimizer.", choices=[1, 2, 3])
+    overlap_grad_reduce: bool = _f(False, "Overlap the DP gradient reduction with backward.")
+    overlap_param_gather: bool = _f(False, "Overlap the distributed optimizer's parameter all-gather with forward.")
+    ddp_bucket_size: Optional[int] = _f(None, "Elements per DP gradient bucket (default: max(40M, 1M*DP)).")
+    grad_reduce_in_bf16: bool = _f(False, "Reduce gradients in bf16 instead of fp32.")
+    optimizer_cpu_offload: bool = _f(False, "Keep master weights and optimizer state on CPU and step there.")
+    distributed_timeout_minutes: int = _f(10, "Timeout of collectives; a dead peer becomes an error.")
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = _f(1, "Samples per microbatch per DP rank.")
+    global_batch_size: Optional[int] = _f(None, "Samples per iteration over all DP ranks (default: micro * DP).")
+    rampup_batch_size: Optional[list] = _f(None, "START INCREMENT SAMPLES: grow the global batch.", nargs=3, type=int)
+    train_iters: int = _f(10, "Iterations to train.")
+    lr: float = _f(1e-4, "Peak learning rate.")
+    min_lr: float = _f(0.0, "Floor of the decayed learning rate.")
+    lr_decay_style: str = _f("cosine", "Decay after warm-up.", choices=["constant", "linear", "cosine"])
+    lr_warmup_iters: int = _f(0, "Linear warm-up iterations.")
+    lr_decay_iters: Optional[int] = _f(None, "Iterations of decay (default: --train-iters).")
+    weight_decay: float = _f(0.01, "AdamW weight decay (not applied to biases and norms).")
+    adam_beta1: float = _f(0.9, "Adam beta1.")
+    adam_beta2: float = _f(0.999, "Adam beta2.")
+    adam_eps: float = _f(1e-8, "Adam epsilon.")
+    clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0 disables).")
+    seed: int = _f(1234, "Seed of initialisation, data order and dropout.")
+    bf16: bool = _f(False, "bf16 parameters and compute, fp32 master weights.")
+    fp16: bool = _f(False, "fp16 parameters and compute with dynamic loss scaling.")
+    loss_scale: Optional[float] = _f(None, "Static loss scale for fp16 (default: dynamic).")
+    initial_loss_scale: float = _f(2.0**16, "Initial dynamic loss scale.")
+    min_loss_scale: float = _f(1.0, "Smallest dynamic loss scale.")
+    loss_scale_window: int = _f(1000, "Iterations without overflow before the scale doubles.")
+    hysteresis: int = _f(2, "Overflows tolerated before the scale halves.")
+    fp8_format: Optional[str] = _f(None, "FP8 through Transformer Engine (GPU only).", choices=["e4m3", "hybrid"])
+    check_for_nan_in_loss_and_grad: bool = _f(True, "Stop when the loss or grad norm is NaN/Inf.", negate="--no-check-for-nan-in-loss-and-grad")
+    exit_signal_handler: bool = _f(False, "Save and exit 0 when --exit-signal arrives.")
+    exit_signal: str = _f("SIGTERM", "Signal caught by --exit-signal-handler.", choices=["SIGTERM", "SIGUSR1", "SIGINT"])
+    exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes.")
+    exit_interval: Optional[int] = _f(None, "Save and exit at an iteration divisible by this.")
+
+
+@dataclass
+class DataConfig:
+    mock_data: bool = _f(False, "Deterministic synthetic tokens (needs --vocab-size).")
+    data_path: Optional[list] = _f(None, "Dataset prefix, or WEIGHT PREFIX pairs to blend.", nargs="+")
+    train_data_path: Optional[list] = _f(None, "Training datasets (overrides --data-path for train).", nargs="+")
+    valid_data_path: Optional[list] = _f(None, "Validation datasets.", nargs="+")
+    test_data_path: Optional[list] = _f(None, "Test datasets.", nargs="+")
+    split: str = _f("969,30,1", "Train,valid,test proportions of the documents.")
+    data_cache_path: Optional[str] = _f(None, "Directory for cached sample indices.")
+    tokenizer_type: str = _f("NullTokenizer", "Tokenizer.", choices=["NullTokenizer", "SentencePieceTokenizer"])
+    tokenizer_model: Optional[str] = _f(None, "SentencePiece model file.")
+    eval_interval: int = _f(1000, "Evaluate on the validation split every N iterations.")
+    eval_iters: int = _f(10, "Validation iterations per evaluation.")
+    num_workers: int = _f(0, "Data loader worker processes.")
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = _f(None, "Directory to save checkpoints to.")
+    load: Optional[str] = _f(None, "Directory to resume from (empty or absent: start fresh).")
+    save_interval: Optional[int] = _f(None, "Save every N iterations.")
+    ckpt_step: Optional[int] = _f(None, "Load this iteration instead of the latest.")
+    no_load_optim: bool = _f(False, "Do not load optimizer state.")
+    no_load_rng: bool = _f(False, "Do not load RNG state.")
+    finetune: bool = _f(False, "Load weights only and start at iteration 0.")
+    async_save: bool = _f(False, "Write checkpoints in the background.")
+    keep_last_n_checkpoints: Optional[int] = _f(None, "Delete older checkpoints once a newer one is complete.")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard_dir: Optional[str] = _f(None, "TensorBoard event directory.")
+    log_interval: int = _f(10, "Log every N iterations.")
+    log_dir: Optional[str] = _f(None, "Per-rank log files.")
+    log_params_norm: bool = _f(False, "Log the parameter norm (costs an extra reduction).")
+    timing_log_level: int = _f(0, "0: iteration time only; 1: per-phase timers; 2: plus min/max over ranks.", choices=[0, 1, 2])
+    peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device for MFU (default: from the GPU table).")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "training": TrainingConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    device: Optional[str] = None
+    model_preset: Optional[str] = None
+    dry_run: bool = False
+    world_size: int = 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        p = self.parallel
+        return self.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
+
+    @property
+    def virtual_stages(self) -> int:
+        p = self.parallel
+        if p.num_virtual_stages_per_pipeline_rank:
+            return p.num_virtual_stages_per_pipeline_rank
+        if p.num_layers_per_virtual_pipeline_stage:
+            return self.model.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
+        return 1
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.training.global_batch_size // (self.training.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def param_dtype_name(self) -> str:
+        return "bf16" if self.training.bf16 else "fp16" if self.training.fp16 else "fp32"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Published shapes. ffn sizes are the released checkpoints' (Llama rounds 8h/3 up).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4, num_query_groups=2,
+                 group_query_attention=True, seq_length=256, swiglu=True, disable_bias_linear=True,
+                 untie_embeddings_and_output_weights=True, normalization="RMSNorm", position_embedding_type="rope"),
+    "llama2-7b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32, seq_length=4096,
+                      vocab_size=32000),
+    "llama2-13b": dict(num_layers=40, hidden_size=5120, ffn_hidden_size=13824, num_attention_heads=40, seq_length=4096,
+                       vocab_size=32000),
+    "llama2-70b": dict(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                       num_query_groups=8, group_query_attention=True, seq_length=4096, vocab_size=32000),
+    "llama3-8b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                      num_query_groups=8, group_query_attention=True, seq_length=8192, vocab_size=128256,
+                      rotary_base=500000.0),
+    "llama3-70b": dict(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                       num_query_groups=8, group_query_attention=True, seq_length=8192, vocab_size=128256,
+                       rotary_base=500000.0),
+    "codellama-34b": dict(num_layers=48, hidden_size=8192, ffn_hidden_size=22016, num_attention_heads=64,
+                          num_query_groups=8, group_query_attention=True, seq_length=16384, vocab_size=32016,
+                          rotary_base=1000000.0),
+}
+_LLAMA_COMMON = dict(swiglu=True, disable_bias_linear=True, untie_embeddings_and_output_weights=True,
+                     normalization="RMSNorm", position_embedding_type="rope", norm_epsilon=1e-5)
+for _name, _shape in PRESETS.items():
+    if _name != "tiny":
+        PRESETS[_name] = {**_LLAMA_COMMON, **_shape}
+
+
+class ConfigError(ValueError):
+    """Raised with one line per problem; the CLI prints it and exits 2."""
+
+
+# ---------------------------------------------------------------- argparse
+
+
+def _flag_names() -> dict[str, tuple[str, str]]:
+    """flag dest -> (section, field name)."""
+    out: dict[str, tuple[str, str]] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            out[f.name] = (section, f.name)
+    return out
+
+
+def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
+    """The command line, generated from the dataclasses (defaults are None so we can tell what was given)."""
+    parser = argparse.ArgumentParser(prog=prog, description="tricorn: Megatron-style 3D-parallel GPT pretraining.",
+                                     argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", help="YAML file with sections model/parallel/training/data/checkpoint/logging; flags override it.")
+    parser.add_argument("--model-preset", help=f"Published model shape: {', '.join(PRESETS)}.")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="Device (default: cuda when available).")
+    parser.add_argument("--dry-run", action="store_true", help="Print the memory estimate and exit without training.")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            meta = dict(f.metadata)
+            helptext = meta.pop("help")
+            negate = meta.pop("negate", None)
+            ftype = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
+            if ftype == "bool":
+                if negate:
+                    group.add_argument(negate, dest=f.name, action="store_false", help=helptext + " (on by default)")
+                    group.add_argument(flag, dest=f.name, action="store_true", help=argparse.SUPPRESS)
+                else:
+                    group.add_argument(flag, dest=f.name, action="store_true", help=helptext)
+                continue
+            if "type" not in meta:
+                base = ftype.replace("Optional[", "").rstrip("]")
+                meta["type"] = {"int": int, "float": float}.get(base, str)
+                if base == "list":
+                    meta["type"] = str
+            if "choices" in meta and meta["type"] is str:
+                meta["choices"] = [str(c) for c in meta["choices"]]
+            group.add_argument(flag, dest=f.name, help=helptext, **meta)
+    return parser
+
+
+def _suggest(key: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(key, options, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _apply_yaml(cfg: Config, path: str) -> None:
+    import yaml
+
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}")
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+    top_keys = list(SECTIONS) + ["device", "model_preset"]
+    for key, value in data.items():
+        if key in ("device", "model_preset"):
+            setattr(cfg, key, value)
+            continue
+        if key not in SECTIONS:
+            raise ConfigError(f"unknown section '{key}' in {path}{_suggest(key, top_keys)}")
+        if not isinstance(value, dict):
+            raise ConfigError(f"section '{key}' in {path} must be a mapping")
+        section = getattr(cfg, key)
+        names = [f.name for f in dataclasses.fields(section)]
+        for k, v in value.items():
+            k2 = k.replace("-", "_")
+            if k2 not in names:
+                raise ConfigError(f"unknown key '{key}.{k}' in {path}{_suggest(k2, names)}")
+            setattr(section, k2, v)
+
+
+def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> Config:
+    """Defaults <- preset <- YAML <- flags. Raises ConfigError; does not validate."""
+    args = vars(build_parser().parse_args(argv))
+    cfg = Config()
+    if "config" in args:
+        _apply_yaml(cfg, args.pop("config"))
+    preset = args.pop("model_preset", None) or cfg.model_preset
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown --model-preset '{preset}'{_suggest(preset, list(PRESETS))}; choose one of {', '.join(PRESETS)}")
+        cfg.model_preset = preset
+        # Preset first, then anything the YAML or the flags set explicitly on top.
+        yaml_model = dataclasses.asdict(cfg.model)
+        defaults = dataclasses.asdict(ModelConfig())
+        for k, v in PRESETS[preset].items():
+            if yaml_model[k] == defaults[k]:
+                setattr(cfg.model, k, v)
+    cfg.device = args.pop("device", None) or cfg.device or default_device()
+    if "dry_run" in args:
+        cfg.dry_run = args.pop("dry_run")
+    names = _flag_names()
+    for dest, value in args.items():
+        section, name = names[dest]
+        setattr(getattr(cfg, section), name, value)
+    cfg.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    _resolve_defaults(cfg)
+    return cfg
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _resolve_defaults(cfg: Config) -> None:
+    t, p = cfg.training, cfg.parallel
+    if t.global_batch_size is None and cfg.data_parallel_size > 0:
+        t.global_batch_size = t.micro_batch_size * cfg.data_parallel_size
+    if t.lr_decay_iters is None:
+        t.lr_decay_iters = t.train_iters
+    if p.ddp_bucket_size is None:
+        p.ddp_bucket_size = max(40_000_000, 1_000_000 * max(cfg.data_parallel_size, 1))
+
+
+def validate(cfg: Config) -> list[str]:
+    """Every problem with the config, one sentence each, before any process group exists."""
+    m, p, t, d = cfg.model, cfg.parallel, cfg.training, cfg.data
+    errs: list[str] = []
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    for name, v in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                    ("--context-parallel-size", cp), ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+                    ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
+                    ("--micro-batch-size", t.micro_batch_size), ("--train-iters", t.train_iters)]:
+        if v < 1:
+            errs.append(f"{name} must be at least 1, got {v}")
+    if errs:
+        return errs
+    if cfg.world_size % (tp * pp * cp) != 0:
+        errs.append(f"world size {cfg.world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp}; "
+                    f"launch a multiple of {tp * pp * cp} processes or change the parallel sizes")
+        return errs
+    dp = cfg.data_parallel_size
+    if m.hidden_size % m.num_attention_heads != 0:
+        errs.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}")
+    if m.group_query_attention and not m.num_query_groups:
+        errs.append("--group-query-attention needs --num-query-groups")
+    if m.num_query_groups and not m.group_query_attention:
+        errs.append("--num-query-groups needs --group-query-attention")
+    if m.num_attention_heads % tp != 0:
+        errs.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
+    if m.kv_heads and m.num_attention_heads % m.kv_heads != 0:
+        errs.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.kv_heads}")
+    if m.group_query_attention and m.num_query_groups and m.num_query_groups % tp != 0:
+        errs.append(f"--num-query-groups {m.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}")
+    if m.ffn_size % tp != 0:
+        errs.append(f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}")
+    if m.position_embedding_type == "rope" and m.head_dim % 2 != 0:
+        errs.append(f"RoPE needs an even head dimension, got hidden/heads = {m.head_dim}")
+    if m.seq_length > m.max_positions:
+        errs.append(f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_positions}")
+    if p.sequence_parallel and m.seq_length % (tp * cp) != 0:
+        errs.append(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by TP x CP = {tp * cp}")
+    if cp > 1 and m.seq_length % (2 * cp) != 0:
+        errs.append(f"--context-parallel-size {cp} needs --seq-length {m.seq_length} divisible by 2 x CP = {2 * cp}")
+    if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0:
+        errs.append(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
+                    f"{t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}")
+    if t.bf16 and t.fp16:
+        errs.append("--bf16 and --fp16 are exclusive; pick one")
+    if cfg.device not in ("cpu", "cuda"):
+        errs.append(f"--device must be cpu or cuda, got '{cfg.device}'")
+    if not d.mock_data and not (d.data_path or d.train_data_path):
+        errs.append("no training data: pass --data-path PREFIX (see `tricorn preprocess`) or --mock-data")
+    if d.mock_data and m.vocab_size is None:
+        errs.append("--mock-data needs --vocab-size")
+    if d.tokenizer_type == "SentencePieceTokenizer" and not d.tokenizer_model and not d.mock_data:
+        errs.append("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model FILE.model")
+    if m.transformer_impl == "transformer_engine" and cfg.device != "cuda":
+        errs.append("--transformer-impl transformer_engine needs --device cuda (Transformer Engine has no CPU path)")
+    if t.fp8_format and m.transformer_impl != "transformer_engine":
+        errs.append("--fp8-format needs --transformer-impl transformer_engine")
+    errs += _validate_unsupported(cfg)
+    return errs
+
+
+def _validate_unsupported(cfg: Config) -> list[str]:
+    """Combinations that are refused until the feature lands (each refusal names the flag)."""
+    return []
+
+
+def parse_config(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> Config:
+    """CLI entry: parse, validate, and on error print one line per problem and exit 2."""
+    try:
+        cfg = config_from_args(argv, world_size)
+        if cfg.device == "cuda" and not _cuda_ok():
+            raise ConfigError("--device cuda was given but no CUDA device is visible; use --device cpu")
+        errs = validate(cfg)
+    except ConfigError as e:
+        errs = [str(e)]
+    if errs:
+        for e in errs:
+            print(f"tricorn: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return cfg
+
+
+def _cuda_ok() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def dump_yaml(cfg: Config) -> str:
+    import yaml
+
+    data = {k: v for k, v in cfg.to_dict().items() if k in SECTIONS or k in ("device", "model_preset")}
+    return yaml.safe_dump(data, sort_keys=False)
