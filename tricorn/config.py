@@ -34,7 +34,9 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
 class ModelConfig:
     num_layers: int = _f(2, "Number of transformer blocks.")
     hidden_size: int = _f(64, "Model width h.")
-    ffn_hidden_size: Optional[int] = _f(None, "MLP inner width (default 4h, or Llama's 2/3*4h rounded to 256 with --swiglu... see README).")
+    ffn_hidden_size: Optional[int] = _f(
+        None, "MLP inner width (default 4h, or Llama's 2/3*4h rounded to 256 with --swiglu... see README)."
+    )
     num_attention_heads: int = _f(4, "Query heads a.")
     num_query_groups: Optional[int] = _f(None, "Key/value heads for GQA/MQA (needs --group-query-attention).")
     group_query_attention: bool = _f(False, "Use --num-query-groups key/value heads.")
@@ -56,7 +58,9 @@ class ModelConfig:
     recompute_granularity: Optional[str] = _f(None, "Recompute activations in backward.", choices=["full", "selective"])
     recompute_method: Optional[str] = _f(None, "How full recompute picks layers.", choices=["uniform", "block"])
     recompute_num_layers: Optional[int] = _f(None, "Layers per recompute group (uniform) or recomputed layers per stage (block).")
-    recompute_modules: list = _f(["core_attn"], "Modules recomputed by selective recompute.", nargs="+", choices=["core_attn", "mlp", "norm"])
+    recompute_modules: list = _f(
+        ["core_attn"], "Modules recomputed by selective recompute.", nargs="+", choices=["core_attn", "mlp", "norm"]
+    )
     transformer_impl: str = _f("local", "Layer implementation.", choices=["local", "transformer_engine"])
 
     @property
@@ -93,7 +97,9 @@ class ParallelConfig:
     num_virtual_stages_per_pipeline_rank: Optional[int] = _f(None, "Model chunks per pipeline rank (interleaved 1F1B).")
     decoder_first_pipeline_num_layers: Optional[int] = _f(None, "Layers on the first pipeline stage (uneven split).")
     decoder_last_pipeline_num_layers: Optional[int] = _f(None, "Layers on the last pipeline stage (uneven split).")
-    pipeline_schedule: str = _f("1f1b", "Pipeline schedule (interleaved is picked automatically with virtual stages).", choices=["1f1b", "gpipe"])
+    pipeline_schedule: str = _f(
+        "1f1b", "Pipeline schedule (interleaved is picked automatically with virtual stages).", choices=["1f1b", "gpipe"]
+    )
     use_distributed_optimizer: bool = _f(False, "Shard optimizer state over DP (ZeRO-1).")
     zero_stage: int = _f(1, "ZeRO stage with --use-distributed-optimizer.", choices=[1, 2, 3])
     overlap_grad_reduce: bool = _f(False, "Overlap the DP gradient reduction with backward.")
@@ -129,7 +135,9 @@ class TrainingConfig:
     loss_scale_window: int = _f(1000, "Iterations without overflow before the scale doubles.")
     hysteresis: int = _f(2, "Overflows tolerated before the scale halves.")
     fp8_format: Optional[str] = _f(None, "FP8 through Transformer Engine (GPU only).", choices=["e4m3", "hybrid"])
-    check_for_nan_in_loss_and_grad: bool = _f(True, "Stop when the loss or grad norm is NaN/Inf.", negate="--no-check-for-nan-in-loss-and-grad")
+    check_for_nan_in_loss_and_grad: bool = _f(
+        True, "Stop when the loss or grad norm is NaN/Inf.", negate="--no-check-for-nan-in-loss-and-grad"
+    )
     exit_signal_handler: bool = _f(False, "Save and exit 0 when --exit-signal arrives.")
     exit_signal: str = _f("SIGTERM", "Signal caught by --exit-signal-handler.", choices=["SIGTERM", "SIGUSR1", "SIGINT"])
     exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes.")
@@ -226,27 +234,78 @@ class Config:
 
 # Published shapes. ffn sizes are the released checkpoints' (Llama rounds 8h/3 up).
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4, num_query_groups=2,
-                 group_query_attention=True, seq_length=256, swiglu=True, disable_bias_linear=True,
-                 untie_embeddings_and_output_weights=True, normalization="RMSNorm", position_embedding_type="rope"),
-    "llama2-7b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32, seq_length=4096,
-                      vocab_size=32000),
-    "llama2-13b": dict(num_layers=40, hidden_size=5120, ffn_hidden_size=13824, num_attention_heads=40, seq_length=4096,
-                       vocab_size=32000),
-    "llama2-70b": dict(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
-                       num_query_groups=8, group_query_attention=True, seq_length=4096, vocab_size=32000),
-    "llama3-8b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
-                      num_query_groups=8, group_query_attention=True, seq_length=8192, vocab_size=128256,
-                      rotary_base=500000.0),
-    "llama3-70b": dict(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
-                       num_query_groups=8, group_query_attention=True, seq_length=8192, vocab_size=128256,
-                       rotary_base=500000.0),
-    "codellama-34b": dict(num_layers=48, hidden_size=8192, ffn_hidden_size=22016, num_attention_heads=64,
-                          num_query_groups=8, group_query_attention=True, seq_length=16384, vocab_size=32016,
-                          rotary_base=1000000.0),
+    "tiny": dict(
+        num_layers=4,
+        hidden_size=128,
+        ffn_hidden_size=352,
+        num_attention_heads=4,
+        num_query_groups=2,
+        group_query_attention=True,
+        seq_length=256,
+        swiglu=True,
+        disable_bias_linear=True,
+        untie_embeddings_and_output_weights=True,
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+    ),
+    "llama2-7b": dict(
+        num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32, seq_length=4096, vocab_size=32000
+    ),
+    "llama2-13b": dict(
+        num_layers=40, hidden_size=5120, ffn_hidden_size=13824, num_attention_heads=40, seq_length=4096, vocab_size=32000
+    ),
+    "llama2-70b": dict(
+        num_layers=80,
+        hidden_size=8192,
+        ffn_hidden_size=28672,
+        num_attention_heads=64,
+        num_query_groups=8,
+        group_query_attention=True,
+        seq_length=4096,
+        vocab_size=32000,
+    ),
+    "llama3-8b": dict(
+        num_layers=32,
+        hidden_size=4096,
+        ffn_hidden_size=14336,
+        num_attention_heads=32,
+        num_query_groups=8,
+        group_query_attention=True,
+        seq_length=8192,
+        vocab_size=128256,
+        rotary_base=500000.0,
+    ),
+    "llama3-70b": dict(
+        num_layers=80,
+        hidden_size=8192,
+        ffn_hidden_size=28672,
+        num_attention_heads=64,
+        num_query_groups=8,
+        group_query_attention=True,
+        seq_length=8192,
+        vocab_size=128256,
+        rotary_base=500000.0,
+    ),
+    "codellama-34b": dict(
+        num_layers=48,
+        hidden_size=8192,
+        ffn_hidden_size=22016,
+        num_attention_heads=64,
+        num_query_groups=8,
+        group_query_attention=True,
+        seq_length=16384,
+        vocab_size=32016,
+        rotary_base=1000000.0,
+    ),
 }
-_LLAMA_COMMON = dict(swiglu=True, disable_bias_linear=True, untie_embeddings_and_output_weights=True,
-                     normalization="RMSNorm", position_embedding_type="rope", norm_epsilon=1e-5)
+_LLAMA_COMMON = dict(
+    swiglu=True,
+    disable_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+    normalization="RMSNorm",
+    position_embedding_type="rope",
+    norm_epsilon=1e-5,
+)
 for _name, _shape in PRESETS.items():
     if _name != "tiny":
         PRESETS[_name] = {**_LLAMA_COMMON, **_shape}
@@ -270,9 +329,12 @@ def _flag_names() -> dict[str, tuple[str, str]]:
 
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     """The command line, generated from the dataclasses (defaults are None so we can tell what was given)."""
-    parser = argparse.ArgumentParser(prog=prog, description="tricorn: Megatron-style 3D-parallel GPT pretraining.",
-                                     argument_default=argparse.SUPPRESS)
-    parser.add_argument("--config", help="YAML file with sections model/parallel/training/data/checkpoint/logging; flags override it.")
+    parser = argparse.ArgumentParser(
+        prog=prog, description="tricorn: Megatron-style 3D-parallel GPT pretraining.", argument_default=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--config", help="YAML file with sections model/parallel/training/data/checkpoint/logging; flags override it."
+    )
     parser.add_argument("--model-preset", help=f"Published model shape: {', '.join(PRESETS)}.")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="Device (default: cuda when available).")
     parser.add_argument("--dry-run", action="store_true", help="Print the memory estimate and exit without training.")
@@ -314,9 +376,9 @@ def _apply_yaml(cfg: Config, path: str) -> None:
         with open(path) as fh:
             data = yaml.safe_load(fh) or {}
     except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}")
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}")
+        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     top_keys = list(SECTIONS) + ["device", "model_preset"]
@@ -346,7 +408,9 @@ def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int]
     preset = args.pop("model_preset", None) or cfg.model_preset
     if preset is not None:
         if preset not in PRESETS:
-            raise ConfigError(f"unknown --model-preset '{preset}'{_suggest(preset, list(PRESETS))}; choose one of {', '.join(PRESETS)}")
+            raise ConfigError(
+                f"unknown --model-preset '{preset}'{_suggest(preset, list(PRESETS))}; choose one of {', '.join(PRESETS)}"
+            )
         cfg.model_preset = preset
         # Preset first, then anything the YAML or the flags set explicitly on top.
         yaml_model = dataclasses.asdict(cfg.model)
@@ -361,7 +425,9 @@ def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int]
     for dest, value in args.items():
         section, name = names[dest]
         setattr(getattr(cfg, section), name, value)
-    cfg.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    cfg.world_size = (
+        world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    )
     _resolve_defaults(cfg)
     return cfg
 
@@ -387,17 +453,26 @@ def validate(cfg: Config) -> list[str]:
     m, p, t, d = cfg.model, cfg.parallel, cfg.training, cfg.data
     errs: list[str] = []
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-    for name, v in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                    ("--context-parallel-size", cp), ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
-                    ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
-                    ("--micro-batch-size", t.micro_batch_size), ("--train-iters", t.train_iters)]:
+    for name, v in [
+        ("--tensor-model-parallel-size", tp),
+        ("--pipeline-model-parallel-size", pp),
+        ("--context-parallel-size", cp),
+        ("--num-layers", m.num_layers),
+        ("--hidden-size", m.hidden_size),
+        ("--num-attention-heads", m.num_attention_heads),
+        ("--seq-length", m.seq_length),
+        ("--micro-batch-size", t.micro_batch_size),
+        ("--train-iters", t.train_iters),
+    ]:
         if v < 1:
             errs.append(f"{name} must be at least 1, got {v}")
     if errs:
         return errs
     if cfg.world_size % (tp * pp * cp) != 0:
-        errs.append(f"world size {cfg.world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp}; "
-                    f"launch a multiple of {tp * pp * cp} processes or change the parallel sizes")
+        errs.append(
+            f"world size {cfg.world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp}; "
+            f"launch a multiple of {tp * pp * cp} processes or change the parallel sizes"
+        )
         return errs
     dp = cfg.data_parallel_size
     if m.hidden_size % m.num_attention_heads != 0:
@@ -423,8 +498,10 @@ def validate(cfg: Config) -> list[str]:
     if cp > 1 and m.seq_length % (2 * cp) != 0:
         errs.append(f"--context-parallel-size {cp} needs --seq-length {m.seq_length} divisible by 2 x CP = {2 * cp}")
     if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0:
-        errs.append(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
-                    f"{t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}")
+        errs.append(
+            f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
+            f"{t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}"
+        )
     if t.bf16 and t.fp16:
         errs.append("--bf16 and --fp16 are exclusive; pick one")
     if cfg.device not in ("cpu", "cuda"):

@@ -1,0 +1,1 @@
+"""Data: tokenizers, Megatron-compatible indexed datasets, GPT samples, blending, DP-invariant loaders."""
