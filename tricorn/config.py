@@ -118,7 +118,7 @@ class TrainingConfig:
     train_iters: int = _f(10, "Iterations to train.")
     lr: float = _f(1e-4, "Peak learning rate.")
     min_lr: float = _f(0.0, "Floor of the decayed learning rate.")
-    lr_decay_style: str = _f("cosine", "Decay after warm-up.", choices=["constant", "linear", "cosine"])
+    lr_decay_style: str = _f("linear", "Decay after warm-up.", choices=["constant", "linear", "cosine"])
     lr_warmup_iters: int = _f(0, "Linear warm-up iterations.")
     lr_decay_iters: Optional[int] = _f(None, "Iterations of decay (default: --train-iters).")
     weight_decay: float = _f(0.01, "AdamW weight decay (not applied to biases and norms).")
@@ -181,6 +181,7 @@ class LoggingConfig:
     log_params_norm: bool = _f(False, "Log the parameter norm (costs an extra reduction).")
     timing_log_level: int = _f(0, "0: iteration time only; 1: per-phase timers; 2: plus min/max over ranks.", choices=[0, 1, 2])
     peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device for MFU (default: from the GPU table).")
+    metrics_file: Optional[str] = _f(None, "Also append each logged iteration's metrics as one JSON line to this file (rank 0).")
 
 
 SECTIONS: dict[str, type] = {

@@ -1,0 +1,88 @@
+"""Layout-independent initialisation.
+
+Every parameter's full (unsharded) value is drawn from a generator seeded by
+the run seed and the parameter's global name, then this rank keeps its slice.
+So with one seed the full weights are identical at TP=1 and TP=8, at any PP
+split (names carry the global layer index) and any DP. Tensor-parallel layers
+describe their slice with a ShardInfo attached to the parameter; the model
+itself never knows how it is split.
+
+Cost: each rank draws the full tensor of each of its parameters once, one at a
+time (transient memory: the largest single weight). No collectives.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """How a parameter is cut: `dim` split in `world` equal chunks, this is chunk `rank`.
+
+    `full_size` is the real extent of `dim` (e.g. the vocabulary); rows beyond it
+    up to world * local size are padding, initialised to zero and never used.
+    """
+
+    dim: int
+    rank: int
+    world: int
+    full_size: int
+
+
+SHARD_ATTR = "tricorn_shard"
+INIT_KEY_ATTR = "tricorn_init_key"  # a parameter that must equal another one (tied head copy)
+
+
+def shard_info(p: torch.Tensor) -> Optional[ShardInfo]:
+    return getattr(p, SHARD_ATTR, None)
+
+
+def global_shape(p: torch.Tensor) -> tuple[int, ...]:
+    info = shard_info(p)
+    shape = list(p.shape)
+    if info is not None:
+        shape[info.dim] = info.full_size
+    return tuple(shape)
+
+
+def _std_for(name: str, std: float, num_layers: int) -> Optional[float]:
+    """None means 'constant' (norm weights 1, biases 0)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "bias" or "norm" in name:
+        return None
+    # GPT-2 / Megatron: residual output projections are scaled by 1/sqrt(2L).
+    if name.endswith(("attention.wo.weight", "mlp.w2.weight")):
+        return std / math.sqrt(2.0 * num_layers)
+    return std
+
+
+def full_value(name: str, shape: tuple[int, ...], std: float, seed: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.empty(shape, device=device, dtype=torch.float32).normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, std: float, num_layers: int) -> None:
+    for name, p in model.named_parameters():
+        key = getattr(p, INIT_KEY_ATTR, name)
+        p_std = _std_for(key, std, num_layers)
+        if p_std is None:
+            p.fill_(0.0 if key.endswith("bias") else 1.0)
+            continue
+        full = full_value(key, global_shape(p), p_std, seed, p.device)
+        info = shard_info(p)
+        if info is not None:
+            padded = info.world * p.shape[info.dim]
+            if padded > info.full_size:
+                pad_shape = list(full.shape)
+                pad_shape[info.dim] = padded - info.full_size
+                full = torch.cat([full, full.new_zeros(pad_shape)], dim=info.dim)
+            full = full.chunk(info.world, dim=info.dim)[info.rank]
+        p.copy_(full)

@@ -1,0 +1,103 @@
+"""Layer spec: which classes build each linear, norm, embedding and attention core.
+
+The decoder in transformer.py is written once against this spec. `local_spec()`
+gives plain single-process layers; tricorn.parallel swaps in tensor/sequence/
+context-parallel ones (and Transformer Engine ones) without the model knowing.
+
+Contract every implementation keeps (shapes are [batch, seq, features]):
+- column_linear(in, out, bias): takes the layer input as the model sees it and
+  returns this rank's contiguous slice of the `out` features. The decoder lays
+  out fused weights (QKV by query group, SwiGLU gate/up interleaved) so that a
+  contiguous slice is always whole heads / whole gate-up pairs, for any split.
+- row_linear(in, out, bias): takes a slice of `in` features, returns all `out`.
+- embedding(num_embeddings, dim, scatter_output): tokens -> hidden states;
+  scatter_output=True lets a parallel implementation hand the blocks their
+  sequence shard directly, otherwise the decoder calls `sequence_scatter`.
+- output_head(dim, num_embeddings, tied): hidden -> (slice of) logits; with
+  tied=True the forward receives the embedding weight.
+- cross_entropy(logits, labels, vocab_size) -> per-token fp32 loss, where
+  logit columns at or beyond vocab_size (padding) never count.
+- core_attention(q, k, v, dropout_p): [b, heads, s, d] causal attention.
+- norm(dim): a norm module; rng contexts fork dropout where ranks must differ.
+
+No collectives here; memory effect: none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ContextManager, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tricorn.model.layers import LayerNorm, RMSNorm
+
+
+class Linear(nn.Linear):
+    """nn.Linear with our (out, in) weight and deterministic init hooks left to init.py."""
+
+
+class HeadLinear(nn.Module):
+    """Output projection; tied heads borrow the embedding weight at call time."""
+
+    def __init__(self, dim: int, num_embeddings: int, tied: bool):
+        super().__init__()
+        self.weight = None if tied else nn.Parameter(torch.empty(num_embeddings, dim))
+
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return F.linear(x, self.weight if weight is None else weight)
+
+
+class Embedding(nn.Embedding):
+    def __init__(self, num_embeddings: int, dim: int, scatter_output: bool = False):
+        super().__init__(num_embeddings, dim)
+
+
+def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Per-token loss in fp32; padded vocabulary columns are excluded from the softmax."""
+    logits = logits.float()
+    if logits.shape[-1] > vocab_size:
+        logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= vocab_size, float("-inf"))
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape)
+
+
+def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Causal attention through torch's fused kernel (flash on GPU); GQA without copying k/v."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _null() -> ContextManager:
+    return contextlib.nullcontext()
+
+
+@dataclass
+class LayerSpec:
+    column_linear: Callable[..., nn.Module] = Linear
+    row_linear: Callable[..., nn.Module] = Linear
+    embedding: Callable[..., nn.Module] = Embedding
+    sequence_scatter: Callable[[], nn.Module] = nn.Identity
+    output_head: Callable[..., nn.Module] = HeadLinear
+    cross_entropy: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = masked_cross_entropy
+    core_attention: Callable[..., torch.Tensor] = sdpa_causal
+    norm: Callable[[int, str, float], nn.Module] = field(default=None)  # type: ignore[assignment]
+    # Dropout inside the TP region (attention probs) and on sequence shards must differ per rank.
+    tp_rng: Callable[[], ContextManager] = _null
+    sequence_rng: Callable[[], ContextManager] = _null
+    # Position offset of this rank's sequence chunk (context parallel); a function of seq length.
+    position_ids: Optional[Callable[[int, torch.device], torch.Tensor]] = None
+
+    def __post_init__(self) -> None:
+        if self.norm is None:
+            self.norm = make_norm
+
+
+def make_norm(dim: int, kind: str, eps: float) -> nn.Module:
+    return RMSNorm(dim, eps) if kind == "RMSNorm" else LayerNorm(dim, eps)
+
+
+def local_spec() -> LayerSpec:
+    return LayerSpec()

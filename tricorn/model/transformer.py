@@ -1,0 +1,178 @@
+"""A Llama/GPT decoder you can read top to bottom.
+
+    tokens -> embedding (+ learned positions) -> [block] x L -> final norm -> head -> loss
+    block:  x + attn(norm(x)) then x + mlp(norm(x)), pre-norm, dropout on both branches
+    attn:   fused QKV (grouped by key/value head), RoPE, causal SDPA, output projection
+    mlp:    SwiGLU (gate and up fused, interleaved) or GeLU
+
+Activations are [batch, seq, hidden]. Norms, softmax and the loss run in fp32.
+
+The model takes every layer class from a LayerSpec (spec.py), so tensor,
+sequence and context parallelism plug in without a single collective here. A
+pipeline stage builds only its part: `layer_ids` are global layer indices (they
+name the parameters, so init and checkpoints are the same at any split),
+`pre_process` adds the embedding, `post_process` the final norm, head and loss.
+
+Fused weights are laid out so that any contiguous slice of their rows is whole
+units - whole query groups for QKV ([q heads of the group, k, v] per group,
+Megatron's layout) and whole (gate, up) pairs for SwiGLU - which is what lets a
+column-parallel split keep them intact at any TP size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tricorn.config import ModelConfig
+from tricorn.model.init import INIT_KEY_ATTR, SHARD_ATTR, ShardInfo, init_weights, shard_info
+from tricorn.model.layers import Rotary
+from tricorn.model.spec import LayerSpec, local_spec
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        self.head_dim = cfg.head_dim
+        self.q_per_group = cfg.num_attention_heads // cfg.kv_heads
+        self.dropout_p = cfg.attention_dropout
+        bias = not cfg.disable_bias_linear
+        qkv_out = cfg.kv_heads * (self.q_per_group + 2) * self.head_dim
+        self.wqkv = spec.column_linear(cfg.hidden_size, qkv_out, bias=bias)
+        self.wo = spec.row_linear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, rotary: Optional[Rotary], position_ids: torch.Tensor) -> torch.Tensor:
+        qkv = self.wqkv(x)
+        b, s = qkv.shape[:2]
+        # [b, s, local groups, q_per_group + 2, d]: the group count is whatever slice this rank holds.
+        qkv = qkv.view(b, s, -1, self.q_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.q_per_group].flatten(2, 3).transpose(1, 2)
+        k = qkv[:, :, :, self.q_per_group].transpose(1, 2)
+        v = qkv[:, :, :, self.q_per_group + 1].transpose(1, 2)
+        if rotary is not None:
+            q, k = rotary(q, position_ids), rotary(k, position_ids)
+        with self.spec.tp_rng():
+            out = self.spec.core_attention(q, k, v, self.dropout_p if self.training else 0.0)
+        return self.wo(out.transpose(1, 2).flatten(2))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        self.swiglu = cfg.swiglu
+        bias = not cfg.disable_bias_linear
+        # SwiGLU rows interleave (gate_i, up_i) so any contiguous slice holds whole pairs.
+        self.w1 = spec.column_linear(cfg.hidden_size, cfg.ffn_size * (2 if cfg.swiglu else 1), bias=bias)
+        self.w2 = spec.row_linear(cfg.ffn_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w1(x)
+        if self.swiglu:
+            h = h.unflatten(-1, (-1, 2))
+            h = F.silu(h[..., 0]) * h[..., 1]
+        else:
+            h = F.gelu(h)
+        return self.w2(h)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        self.attention_norm = spec.norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon)
+        self.attention = Attention(cfg, spec)
+        self.mlp_norm = spec.norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon)
+        self.mlp = MLP(cfg, spec)
+        self.hidden_dropout = cfg.hidden_dropout
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.hidden_dropout == 0.0:
+            return x
+        with self.spec.sequence_rng():
+            return F.dropout(x, self.hidden_dropout, training=True)
+
+    def forward(self, x: torch.Tensor, rotary: Optional[Rotary], position_ids: torch.Tensor) -> torch.Tensor:
+        x = x + self._dropout(self.attention(self.attention_norm(x), rotary, position_ids))
+        return x + self._dropout(self.mlp(self.mlp_norm(x)))
+
+
+class GPTModel(nn.Module):
+    """One pipeline stage (or the whole model) of the decoder.
+
+    forward(inputs, labels) takes token ids on the first stage and hidden states
+    elsewhere; it returns hidden states, or the per-token fp32 loss on the last stage.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        spec: Optional[LayerSpec] = None,
+        layer_ids: Optional[Sequence[int]] = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        padded_vocab_size: Optional[int] = None,
+    ):
+        super().__init__()
+        spec = spec or local_spec()
+        self.cfg = cfg
+        self.spec = spec
+        self.pre_process, self.post_process = pre_process, post_process
+        self.vocab_size = cfg.vocab_size
+        vocab = padded_vocab_size or cfg.padded_vocab_size(1)
+        self.tied = not cfg.untie_embeddings_and_output_weights
+        learned = cfg.position_embedding_type == "learned_absolute"
+        if pre_process:
+            self.tok_embeddings = spec.embedding(vocab, cfg.hidden_size, scatter_output=not learned)
+            self.pos_embeddings = nn.Embedding(cfg.max_positions, cfg.hidden_size) if learned else None
+            self.sequence_scatter = spec.sequence_scatter() if learned else None
+        ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
+        # Keys are global layer indices so parameter names do not depend on the pipeline split.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, spec) for i in ids})
+        self.rotary = Rotary(cfg.head_dim, cfg.max_positions, cfg.rotary_base) if not learned else None
+        if post_process:
+            self.norm = spec.norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon)
+            # A tied head on a stage without the embedding keeps its own copy, initialised
+            # from the embedding's name and kept equal by the trainer (grad all-reduce).
+            own_weight = not self.tied or not pre_process
+            self.output = spec.output_head(cfg.hidden_size, vocab, tied=not own_weight)
+            if self.tied and not pre_process:
+                setattr(self.output.weight, INIT_KEY_ATTR, "tok_embeddings.weight")
+        # Vocabulary-sized weights are padded; record the real row count (global shape)
+        # when the spec's layer did not already describe a tensor-parallel split.
+        for module in (getattr(self, "tok_embeddings", None), getattr(self, "output", None)):
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, nn.Parameter) and shard_info(weight) is None:
+                setattr(weight, SHARD_ATTR, ShardInfo(dim=0, rank=0, world=1, full_size=cfg.vocab_size))
+
+    def init_weights(self, seed: int) -> None:
+        init_weights(self, seed, self.cfg.init_method_std, self.cfg.num_layers)
+
+    def _position_ids(self, seq: int, device: torch.device) -> torch.Tensor:
+        if self.spec.position_ids is not None:
+            return self.spec.position_ids(seq, device)
+        return torch.arange(seq, device=device)
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        seq = inputs.shape[1]
+        position_ids = self._position_ids(seq, inputs.device)
+        if self.pre_process:
+            x = self.tok_embeddings(inputs)
+            if self.pos_embeddings is not None:
+                x = self.sequence_scatter(x + self.pos_embeddings(position_ids))
+        else:
+            x = inputs
+        for layer in self.layers.values():
+            x = layer(x, self.rotary, position_ids)
+        if not self.post_process:
+            return x
+        x = self.norm(x)
+        head_weight = self.tok_embeddings.weight if (self.tied and self.pre_process) else None
+        logits = self.output(x, head_weight)
+        if labels is None:
+            return logits
+        return self.spec.cross_entropy(logits, labels, self.vocab_size)

@@ -1,0 +1,1 @@
+"""Parallelism, one module per kind; the model never imports from here."""

@@ -1,0 +1,100 @@
+"""Gradient reductions that are not data parallel, and the global gradient norm.
+
+After the last backward of an iteration (Megatron's finalize_model_grads):
+- parameters replicated over TP that saw only a sequence shard (`sequence_parallel`
+  attribute: norm weights, row biases under SP) get their gradients all-reduced
+  over the TP group;
+- with tied embeddings and PP > 1, the first stage's embedding and the last
+  stage's head copy all-reduce their gradients over the embedding group, so
+  both copies take the same step and stay identical.
+
+The global norm counts every parameter exactly once: TP shards on every TP rank,
+TP-replicated parameters on TP rank 0 only, a tied head copy not at all (its
+twin on the first stage counts), DP/CP replicas once (their gradients are equal
+after the DP reduction; sharded optimizers pass their own DP-sharded squares).
+One all-reduce of a scalar over TP x PP (plus DP when grads are DP-sharded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tricorn.model.init import INIT_KEY_ATTR, shard_info
+from tricorn.parallel.state import ParallelState
+
+
+def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient the optimizer uses: fp32 `main_grad` under mixed precision, else `.grad`."""
+    return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+
+
+def is_tied_copy(p: torch.Tensor) -> bool:
+    return hasattr(p, INIT_KEY_ATTR)
+
+
+def is_tied_embedding(name: str) -> bool:
+    return name.endswith("tok_embeddings.weight")
+
+
+def counts_for_norm(p: torch.Tensor, state: ParallelState) -> bool:
+    if is_tied_copy(p):
+        return False
+    info = shard_info(p)
+    tp_sharded = info is not None and info.world > 1
+    return tp_sharded or state.tp_rank == 0
+
+
+def _all_reduce_coalesced(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def reduce_sequence_parallel_grads(modules: Iterable[nn.Module], state: ParallelState) -> None:
+    grads = [grad_of(p) for m in modules for p in m.parameters() if getattr(p, "sequence_parallel", False)]
+    _all_reduce_coalesced([g for g in grads if g is not None], state.tp_group)
+
+
+def reduce_tied_embedding_grads(modules: Iterable[nn.Module], state: ParallelState, tied: bool) -> None:
+    if not tied or state.embedding_group is None:
+        return
+    grads = []
+    for m in modules:
+        for name, p in m.named_parameters():
+            if (is_tied_embedding(name) and state.is_first_stage) or (is_tied_copy(p) and state.is_last_stage):
+                g = grad_of(p)
+                if g is None:  # a stage that did not use it this step still takes part
+                    g = p.grad = torch.zeros_like(p)
+                grads.append(g)
+    _all_reduce_coalesced(grads, state.embedding_group)
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], state: ParallelState, dp_sharded: bool = False) -> float:
+    """L2 norm over the whole model, every parameter counted once (see module docstring)."""
+    squares = torch.zeros((), dtype=torch.float32, device=state.device)
+    for p in params:
+        g = grad_of(p)
+        if g is not None and counts_for_norm(p, state):
+            squares += g.float().pow(2).sum()
+    dist.all_reduce(squares, group=state.mp_group)
+    if dp_sharded:
+        dist.all_reduce(squares, group=state.dp_cp_group)
+    return squares.sqrt().item()
+
+
+def clip_grads(params: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> None:
+    if max_norm <= 0 or total_norm <= max_norm or not torch.isfinite(torch.tensor(total_norm)):
+        return
+    coef = max_norm / (total_norm + 1e-6)
+    grads = [g for g in (grad_of(p) for p in params) if g is not None]
+    torch._foreach_mul_(grads, coef)

@@ -1,0 +1,208 @@
+"""The process grid: who talks to whom.
+
+World ranks form a DeviceMesh of shape (pp, dp, cp, tp) with TP innermost, so
+the ranks of one TP group are neighbours (one node, NVLink). From it come the
+groups every other module receives explicitly (no module globals):
+
+    tp_group     ranks that split each layer's matrices
+    cp_group     ranks that split each sample's sequence
+    dp_group     ranks that see different samples
+    dp_cp_group  gradient reduction group (DP and CP both hold full replicas)
+    pp_group     pipeline neighbours
+    mp_group     TP x PP: every rank that holds a different part of one replica
+
+Launch: torchrun's RANK/WORLD_SIZE/LOCAL_RANK, or srun's SLURM_PROCID/
+SLURM_NTASKS/SLURM_LOCALID with MASTER_ADDR from the first host of the node
+list. A single `python pretrain_gpt.py` becomes a world of one. Backend: gloo
+on cpu, nccl on cuda. Building the mesh creates the groups (one collective per
+group at start-up); no memory effect beyond the communicators.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from tricorn.config import Config
+
+
+@dataclass
+class ParallelState:
+    mesh: DeviceMesh
+    device: torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup
+    dp_cp_group: dist.ProcessGroup
+    mp_group: dist.ProcessGroup
+    # First and last pipeline stage of this rank's pipeline (tied embedding copies); None without PP.
+    embedding_group: Optional[dist.ProcessGroup] = None
+
+    def size(self, dim: str) -> int:
+        return self.mesh.size(self.mesh.mesh_dim_names.index(dim))
+
+    def coord(self, dim: str) -> int:
+        return self.mesh.get_local_rank(dim)
+
+    @property
+    def tp_size(self) -> int:
+        return self.size("tp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coord("tp")
+
+    @property
+    def pp_size(self) -> int:
+        return self.size("pp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coord("pp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.size("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coord("dp")
+
+    @property
+    def cp_size(self) -> int:
+        return self.size("cp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coord("cp")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def pp_global_rank(self, pp_rank: int) -> int:
+        """World rank of the pipeline peer at `pp_rank` in this rank's pipeline."""
+        return dist.get_global_rank(self.pp_group, pp_rank % self.pp_size)
+
+    def grid_name(self) -> str:
+        return f"pp{self.pp_rank}_dp{self.dp_rank}_cp{self.cp_rank}_tp{self.tp_rank}"
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list, via scontrol when present, else by parsing 'node[01-04,07]'."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    m = re.match(r"([^\[,]+)(\[([^\]]+)\])?", nodelist)
+    if not m:
+        return nodelist
+    prefix, _, ranges = m.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def launch_env() -> dict[str, str]:
+    """RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from torchrun, srun, or a single process."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k in env}
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        job = int(env.get("SLURM_JOB_ID", "0"))
+        return {
+            "RANK": env["SLURM_PROCID"],
+            "WORLD_SIZE": env["SLURM_NTASKS"],
+            "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+            "MASTER_ADDR": env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
+            "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + job % 20000),
+        }
+    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def world_size_from_env() -> int:
+    return int(launch_env()["WORLD_SIZE"])
+
+
+def init_parallel(cfg: Config, init_method: Optional[str] = None) -> ParallelState:
+    """Create the process group and the mesh. Call after the config is validated."""
+    env = launch_env()
+    os.environ.update(env)
+    rank, world, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
+    if cfg.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        # Over-subscribed cores make CPU runs 2-4x slower; the user's OMP_NUM_THREADS wins.
+        if world > 1 and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if cfg.device == "cuda" else "gloo",
+            init_method=init_method or "env://",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
+        )
+    p = cfg.parallel
+    shape = (p.pipeline_model_parallel_size, cfg.data_parallel_size, p.context_parallel_size, p.tensor_model_parallel_size)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp", "cp", "tp"))
+    return ParallelState(
+        embedding_group=_embedding_group(mesh, rank),
+        mesh=mesh,
+        device=device,
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        tp_group=mesh.get_group("tp"),
+        pp_group=mesh.get_group("pp"),
+        dp_group=mesh.get_group("dp"),
+        cp_group=mesh.get_group("cp"),
+        dp_cp_group=mesh["dp", "cp"]._flatten("dp_cp").get_group(),
+        mp_group=mesh["pp", "tp"]._flatten("pp_tp").get_group(),
+    )
+
+
+def _embedding_group(mesh: DeviceMesh, rank: int) -> Optional[dist.ProcessGroup]:
+    """Groups of {first, last} pipeline stage per pipeline; every rank creates all of them, in order."""
+    ranks = mesh.mesh  # [pp, dp, cp, tp] world ranks
+    if ranks.shape[0] == 1:
+        return None
+    mine = None
+    for pipeline in ranks.flatten(1).t().tolist():
+        group = dist.new_group([pipeline[0], pipeline[-1]])
+        if rank in (pipeline[0], pipeline[-1]):
+            mine = group
+    return mine
+
+
+def destroy_parallel() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,385 @@
+"""Tensor and sequence parallelism (Megatron-LM style), applied through the layer spec.
+
+Column-parallel linear: each TP rank holds a contiguous slice of the output
+rows. Row-parallel linear: a slice of the input columns; partial outputs are
+summed. A column/row pair (QKV -> output projection, w1 -> w2) therefore needs
+one reduction per direction:
+
+    without SP   forward: identity in, all-reduce out      backward: all-reduce in
+    with SP      forward: all-gather(seq) in, reduce-scatter(seq) out
+                 backward: reduce-scatter(seq) in, all-gather(seq) out
+
+Sequence parallel keeps the activations between those pairs (norms, dropout,
+residual) sharded along the sequence, dividing their memory by TP at no extra
+communication volume (all-reduce = reduce-scatter + all-gather). Parameters
+that are replicated over TP but see only a sequence shard (norm weights, row
+biases) get partial gradients; they carry `sequence_parallel = True` and the
+trainer all-reduces their gradients over TP (grads.py).
+
+The embedding is vocab-parallel (rows split over TP, out-of-range tokens
+give zeros, outputs summed), and the loss is a vocab-parallel cross entropy
+that reduces three [b, s] tensors (max, target logit, sum of exp) over TP and
+never gathers the [b, s, V] logits. Memory: weights / TP; logits / TP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tricorn.config import Config
+from tricorn.model.init import SHARD_ATTR, ShardInfo
+from tricorn.model.spec import HeadLinear, LayerSpec, make_norm
+
+SEQ_DIM = 1  # activations are [batch, seq, hidden]
+
+
+# ---------------------------------------------------------------- collectives along the sequence
+
+
+def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    x = x.transpose(0, SEQ_DIM).contiguous()
+    out = x.new_empty((world * x.shape[0],) + x.shape[1:])
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.transpose(0, SEQ_DIM)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    x = x.transpose(0, SEQ_DIM).contiguous()
+    out = x.new_empty((x.shape[0] // world,) + x.shape[1:])
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out.transpose(0, SEQ_DIM)
+
+
+def _split_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    return x.chunk(world, dim=SEQ_DIM)[dist.get_rank(group)].contiguous()
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    if dist.get_world_size(group) > 1:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+    return x
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
+
+
+class _ScatterToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_from_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _GatherFromSeq.apply(x, group)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _ReduceScatterToSeq.apply(x, group)
+
+
+def scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _ScatterToSeq.apply(x, group)
+
+
+# ---------------------------------------------------------------- layers
+
+
+def _mark(p: nn.Parameter, dim: int, group: dist.ProcessGroup, full_size: int) -> nn.Parameter:
+    setattr(p, SHARD_ATTR, ShardInfo(dim=dim, rank=dist.get_rank(group), world=dist.get_world_size(group), full_size=full_size))
+    return p
+
+
+def mark_sequence_parallel(module: nn.Module) -> nn.Module:
+    for p in module.parameters():
+        p.sequence_parallel = True
+    return module
+
+
+class _TPBase(nn.Module):
+    def __init__(self, group: dist.ProcessGroup, sequence_parallel: bool):
+        super().__init__()
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.tp = dist.get_world_size(group)
+
+    def _enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Input of a column-parallel layer: all-gather the sequence (SP) or mark the TP fan-out."""
+        return gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+
+
+class ColumnParallelLinear(_TPBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group, sequence_parallel: bool):
+        super().__init__(group, sequence_parallel)
+        if out_features % self.tp:
+            raise ValueError(f"output features {out_features} do not divide by TP {self.tp}")
+        self.weight = _mark(nn.Parameter(torch.empty(out_features // self.tp, in_features)), 0, group, out_features)
+        self.bias = _mark(nn.Parameter(torch.zeros(out_features // self.tp)), 0, group, out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._enter(x), self.weight, self.bias)
+
+
+class RowParallelLinear(_TPBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group, sequence_parallel: bool):
+        super().__init__(group, sequence_parallel)
+        if in_features % self.tp:
+            raise ValueError(f"input features {in_features} do not divide by TP {self.tp}")
+        self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // self.tp)), 1, group, in_features)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        if self.bias is not None and sequence_parallel:
+            self.bias.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        out = reduce_scatter_to_sequence(out, self.group) if self.sequence_parallel else reduce_from_tp(out, self.group)
+        # The bias is added once, after the sum, not once per rank.
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(_TPBase):
+    """Rows [rank*V/tp, (rank+1)*V/tp) of the (padded) vocabulary on each TP rank."""
+
+    def __init__(
+        self, num_embeddings: int, dim: int, scatter_output: bool = False, *, group, sequence_parallel: bool, vocab_size: int
+    ):
+        super().__init__(group, sequence_parallel)
+        self.per_rank = num_embeddings // self.tp
+        self.start = dist.get_rank(group) * self.per_rank
+        self.scatter_output = scatter_output and sequence_parallel
+        self.weight = _mark(nn.Parameter(torch.empty(self.per_rank, dim)), 0, group, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            out = F.embedding(tokens, self.weight)
+            return scatter_to_sequence(out, self.group) if self.scatter_output else out
+        local = tokens - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_to_sequence(out, self.group) if self.scatter_output else reduce_from_tp(out, self.group)
+
+
+class ParallelHead(_TPBase):
+    """Output projection producing this rank's slice of the vocabulary logits (never gathered)."""
+
+    def __init__(self, dim: int, num_embeddings: int, tied: bool, *, group, sequence_parallel: bool, vocab_size: int):
+        super().__init__(group, sequence_parallel)
+        self.weight = None
+        if not tied:
+            self.weight = _mark(nn.Parameter(torch.empty(num_embeddings // self.tp, dim)), 0, group, vocab_size)
+
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return F.linear(self._enter(x), self.weight if weight is None else weight)
+
+
+class SequenceScatter(nn.Module):
+    def __init__(self, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scatter_to_sequence(x, self.group)
+
+
+# ---------------------------------------------------------------- vocab-parallel cross entropy
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, vocab_size, group):
+        logits = logits.float()
+        per_rank = logits.shape[-1]
+        start = dist.get_rank(group) * per_rank
+        columns = torch.arange(start, start + per_rank, device=logits.device)
+        logits = logits.masked_fill(columns >= vocab_size, float("-inf"))  # padding never counts
+        max_logit = logits.max(dim=-1).values
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
+        logits = logits - max_logit.unsqueeze(-1)
+        local = labels - start
+        mine = (local >= 0) & (local < per_rank)
+        local = local.masked_fill(~mine, 0)
+        target = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        exp = logits.exp()
+        sum_exp = exp.sum(dim=-1)
+        _all_reduce(target, group)
+        _all_reduce(sum_exp, group)
+        loss = sum_exp.log() - target
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, mine)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local, mine = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(-1, local.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype))
+        return grad * grad_loss.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, group) -> torch.Tensor:
+    return _VocabParallelCE.apply(logits, labels, vocab_size, group)
+
+
+# ---------------------------------------------------------------- RNG tracker
+
+
+def _get_rng(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGTracker:
+    """Named RNG streams beside the default one.
+
+    The default stream is the same on every TP rank (dropout outside the TP
+    region must match); the "tensor-parallel" stream is seeded per TP rank so
+    dropout on split heads or sequence shards differs across ranks.
+    """
+
+    TP = "tensor-parallel"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.states: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, seed: int) -> None:
+        original = _get_rng(self.device)
+        torch.manual_seed(seed) if self.device.type == "cpu" else torch.cuda.manual_seed(seed)
+        self.states[name] = _get_rng(self.device)
+        _set_rng(original, self.device)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = TP) -> Iterator[None]:
+        original = _get_rng(self.device)
+        _set_rng(self.states[name], self.device)
+        try:
+            yield
+        finally:
+            self.states[name] = _get_rng(self.device)
+            _set_rng(original, self.device)
+
+
+def seed_everything(seed: int, pp_rank: int, tp_rank: int, device: torch.device) -> RNGTracker:
+    """Megatron's scheme: default stream differs per pipeline stage, TP stream per TP rank."""
+    torch.manual_seed(seed + 100 * pp_rank)
+    tracker = RNGTracker(device)
+    tracker.add(RNGTracker.TP, seed + 2718 + 100 * pp_rank + tp_rank)
+    return tracker
+
+
+# ---------------------------------------------------------------- the spec
+
+
+def tensor_parallel_spec(cfg: Config, tp_group: dist.ProcessGroup, tracker: RNGTracker) -> LayerSpec:
+    """The layer spec that makes the decoder tensor (and sequence) parallel over `tp_group`."""
+    sp = cfg.parallel.sequence_parallel and dist.get_world_size(tp_group) > 1
+    vocab = cfg.model.vocab_size
+    common = dict(group=tp_group, sequence_parallel=sp)
+
+    def norm(dim: int, kind: str, eps: float) -> nn.Module:
+        module = make_norm(dim, kind, eps)
+        return mark_sequence_parallel(module) if sp else module
+
+    def fork() -> contextlib.AbstractContextManager:
+        return tracker.fork(RNGTracker.TP)
+
+    return LayerSpec(
+        column_linear=functools.partial(ColumnParallelLinear, **common),
+        row_linear=functools.partial(RowParallelLinear, **common),
+        embedding=functools.partial(VocabParallelEmbedding, **common, vocab_size=vocab),
+        sequence_scatter=(lambda: SequenceScatter(tp_group)) if sp else nn.Identity,
+        output_head=functools.partial(ParallelHead, **common, vocab_size=vocab),
+        cross_entropy=lambda logits, labels, v: vocab_parallel_cross_entropy(logits, labels, v, tp_group),
+        norm=norm,
+        tp_rng=fork,
+        sequence_rng=fork if sp else contextlib.nullcontext,
+    )
+
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "ParallelHead",
+    "HeadLinear",
+    "RNGTracker",
+    "tensor_parallel_spec",
+    "vocab_parallel_cross_entropy",
+]

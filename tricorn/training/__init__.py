@@ -1,0 +1,1 @@
+"""Training: the loop, batch schedule, LR schedule, checkpoints and logging."""

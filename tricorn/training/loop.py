@@ -1,0 +1,169 @@
+"""The training loop: batches in, optimizer steps out, metrics logged.
+
+Per iteration: cut this DP rank's slice of the global batch into microbatches,
+count the valid tokens of the whole global batch (one all-reduce over DP),
+run forward/backward (pipelined or not), finish the gradient reductions, step,
+and reduce the loss for logging (one scalar all-reduce over DP x CP and PP).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tricorn.config import Config
+from tricorn.data.base import Batch, GlobalBatchLoader
+from tricorn.parallel.state import ParallelState
+from tricorn.training.logging import MetricsLogger
+from tricorn.training.lr_schedule import learning_rate
+from tricorn.training.step import StepContext, forward_backward_no_pipelining
+
+
+class NaNError(RuntimeError):
+    pass
+
+
+@dataclass
+class IterationResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    skipped: bool
+    loss_scale: float
+    global_batch_size: int
+    num_microbatches: int
+    seconds: float
+
+
+@dataclass
+class Trainer:
+    cfg: Config
+    state: ParallelState
+    chunks: list[nn.Module]
+    optimizer: object
+    train_loader: GlobalBatchLoader
+    valid_loader: Optional[GlobalBatchLoader]
+    logger: MetricsLogger
+    forward_backward: Callable = forward_backward_no_pipelining
+    iteration: int = 0
+    history: list = field(default_factory=list)
+
+    # ------------------------------------------------------------ batches
+
+    def batch_sizes(self) -> tuple[int, int]:
+        """(global batch size, microbatches) for the next iteration."""
+        t = self.cfg.training
+        dp = self.state.dp_size
+        return t.global_batch_size, t.global_batch_size // (t.micro_batch_size * dp)
+
+    def _microbatches(self, batch: Batch, num_microbatches: int) -> list[Batch]:
+        size = self.cfg.training.micro_batch_size
+        return [batch.slice(i * size, (i + 1) * size).to(self.state.device) for i in range(num_microbatches)]
+
+    def _global_tokens(self, batch: Batch) -> torch.Tensor:
+        tokens = batch.loss_mask.sum().to(self.state.device, torch.float32)
+        dist.all_reduce(tokens, group=self.state.dp_group)
+        return tokens
+
+    def _reduce_loss(self, local: torch.Tensor) -> float:
+        """Sum over DP x CP (each holds part of the global batch) and PP (only the last stage has it)."""
+        if not self.state.is_last_stage:
+            local = torch.zeros_like(local)
+        dist.all_reduce(local, group=self.state.dp_cp_group)
+        dist.all_reduce(local, group=self.state.pp_group)
+        return local.item()
+
+    # ------------------------------------------------------------ one iteration
+
+    def train_step(self, batch: Batch, num_microbatches: int) -> tuple[float, object]:
+        for chunk in self.chunks:
+            chunk.train()
+        self.optimizer.zero_grad()
+        ctx = StepContext(optimizer=self.optimizer, num_tokens=self._global_tokens(batch))
+        local_loss = self.forward_backward(self.chunks, self._microbatches(batch, num_microbatches), ctx)
+        self.optimizer.finish_grad_sync()
+        info = self.optimizer.step()
+        return self._reduce_loss(local_loss), info
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        if self.valid_loader is None:
+            return None
+        for chunk in self.chunks:
+            chunk.eval()
+        gbs, nmb = self.batch_sizes()
+        total = 0.0
+        for _ in range(self.cfg.data.eval_iters):
+            batch = self.valid_loader.next(gbs)
+            ctx = StepContext(optimizer=self.optimizer, num_tokens=self._global_tokens(batch), forward_only=True)
+            total += self._reduce_loss(self.forward_backward(self.chunks, self._microbatches(batch, nmb), ctx))
+        return total / self.cfg.data.eval_iters
+
+    def run_iteration(self) -> IterationResult:
+        start = time.perf_counter()
+        self.iteration += 1
+        gbs, nmb = self.batch_sizes()
+        lr = learning_rate(self.cfg.training, self.iteration)
+        self.optimizer.set_lr(lr)
+        batch = self.train_loader.next(gbs)
+        loss, info = self.train_step(batch, nmb)
+        if self.state.device.type == "cuda":
+            torch.cuda.synchronize()
+        result = IterationResult(loss, info.grad_norm, lr, info.skipped, info.loss_scale, gbs, nmb, time.perf_counter() - start)
+        if self.cfg.training.check_for_nan_in_loss_and_grad and not info.skipped:
+            if not (math.isfinite(loss) and math.isfinite(info.grad_norm)):
+                raise NaNError(f"iteration {self.iteration}: loss {loss} / grad norm {info.grad_norm} is not finite; stopping")
+        return result
+
+    def log(self, r: IterationResult) -> None:
+        tokens = r.global_batch_size * self.cfg.model.seq_length
+        values = {
+            "lm loss": r.loss,
+            "learning-rate": r.lr,
+            "grad-norm": r.grad_norm,
+            "iteration-time": r.seconds,
+            "batch-size": r.global_batch_size,
+            "tokens-per-sec": tokens / r.seconds,
+        }
+        self.logger.scalars(self.iteration, values)
+        self.logger.record(
+            self.iteration,
+            {
+                "loss": r.loss,
+                "grad_norm": r.grad_norm,
+                "lr": r.lr,
+                "skipped": r.skipped,
+                "loss_scale": r.loss_scale,
+                "batch_size": r.global_batch_size,
+            },
+        )
+        self.logger.console(
+            f"iteration {self.iteration:>6}/{self.cfg.training.train_iters} | lm loss {r.loss:.6E} | lr {r.lr:.3E} | "
+            f"grad norm {r.grad_norm:.4f} | {1000 * r.seconds:.1f} ms/iter | {tokens / r.seconds:.0f} tokens/s"
+        )
+
+    def train(self) -> list[IterationResult]:
+        t, d = self.cfg.training, self.cfg.data
+        while self.iteration < t.train_iters:
+            result = self.run_iteration()
+            self.history.append(result)
+            if self.iteration % self.cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
+                self.log(result)
+            if self.valid_loader is not None and d.eval_interval and self.iteration % d.eval_interval == 0:
+                self.log_validation(self.evaluate())
+        return self.history
+
+    def log_validation(self, loss: Optional[float]) -> None:
+        if loss is None:
+            return
+        ppl = math.exp(min(loss, 20.0))
+        self.logger.scalars(self.iteration, {"lm loss validation": loss, "lm loss validation ppl": ppl})
+        self.logger.record(self.iteration, {"valid_loss": loss, "valid_ppl": ppl})
+        self.logger.console(f"validation at iteration {self.iteration} | lm loss {loss:.6E} | ppl {ppl:.3f}")

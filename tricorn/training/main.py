@@ -1,0 +1,103 @@
+"""Entry point of pretrain_gpt.py / `tricorn train`: validate, build, train.
+
+Order matters for "fail before launching": the config (and the tokenizer's
+vocabulary) are checked before any process group exists; only then are the
+groups, the model, the optimizer and the loaders built.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from tricorn.config import Config
+
+
+def resolve_config(argv: Optional[list[str]]) -> Config:
+    from tricorn.config import ConfigError, config_from_args, validate
+    from tricorn.parallel.state import world_size_from_env
+
+    try:
+        cfg = config_from_args(argv, world_size=world_size_from_env())
+        errors = _prepare_vocab(cfg)
+        errors += validate(cfg) if not errors else []
+    except ConfigError as e:
+        errors = [str(e)]
+    if errors:
+        for e in errors:
+            print(f"tricorn: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return cfg
+
+
+def _prepare_vocab(cfg: Config) -> list[str]:
+    try:
+        from tricorn.data.loader import prepare_vocab
+    except ImportError:  # data pipeline not built yet: mock data only
+        return []
+    return prepare_vocab(cfg)
+
+
+def build(cfg: Config, state):
+    """Model chunks, optimizer, loaders and the forward/backward function for this rank."""
+    from tricorn.model import GPTModel
+    from tricorn.parallel.optimizer import Optimizer
+    from tricorn.parallel.tensor import seed_everything, tensor_parallel_spec
+    from tricorn.training.step import forward_backward_no_pipelining
+
+    tracker = seed_everything(cfg.training.seed, state.pp_rank, state.tp_rank, state.device)
+    spec = tensor_parallel_spec(cfg, state.tp_group, tracker)
+    model = GPTModel(cfg.model, spec, padded_vocab_size=cfg.model.padded_vocab_size(state.tp_size)).to(state.device)
+    model.init_weights(cfg.training.seed)
+    chunks = [model]
+    optimizer = Optimizer(cfg, state, chunks)
+    return chunks, optimizer, forward_backward_no_pipelining, tracker
+
+
+def build_loaders(cfg: Config, state):
+    try:
+        from tricorn.data.loader import build_loaders as real
+    except ImportError:
+        real = None
+    if real is not None:
+        train, valid, _ = real(cfg, state.dp_rank, state.dp_size)
+        return train, valid
+    from tricorn.data.base import GlobalBatchLoader, MockSamples
+
+    m = cfg.model
+    return (
+        GlobalBatchLoader(MockSamples(m.vocab_size, m.seq_length, cfg.training.seed), state.dp_rank, state.dp_size),
+        GlobalBatchLoader(MockSamples(m.vocab_size, m.seq_length, cfg.training.seed + 1), state.dp_rank, state.dp_size),
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    cfg = resolve_config(argv)
+    from tricorn.parallel.state import destroy_parallel, init_parallel
+    from tricorn.training.logging import MetricsLogger
+    from tricorn.training.loop import NaNError, Trainer
+
+    state = init_parallel(cfg)
+    logger = MetricsLogger(cfg, state.rank)
+    try:
+        chunks, optimizer, forward_backward, _ = build(cfg, state)
+        train_loader, valid_loader = build_loaders(cfg, state)
+        p = cfg.parallel
+        logger.console(
+            f"tricorn: world {state.world_size} = TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x "
+            f"CP {p.context_parallel_size} x DP {state.dp_size} | device {cfg.device} | "
+            f"{sum(x.numel() for c in chunks for x in c.parameters()):,} parameters on rank 0"
+        )
+        trainer = Trainer(cfg, state, chunks, optimizer, train_loader, valid_loader, logger, forward_backward)
+        trainer.train()
+    except NaNError as e:
+        print(f"tricorn: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        logger.close()
+        destroy_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

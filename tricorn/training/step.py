@@ -1,0 +1,55 @@
+"""Forward and backward of one global batch on one rank, without pipelining.
+
+The loss of a microbatch is sum(per-token loss * mask) / (valid tokens in the
+WHOLE global batch), so gradient accumulation, DP, CP and PP never rescale
+anything: the DP replicas' gradients are simply summed. The pipeline executor
+(tricorn.parallel.pipeline) provides the same function for PP > 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from tricorn.data.base import Batch
+
+
+class Optim(Protocol):
+    def microbatch(self, is_last: bool): ...
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class StepContext:
+    optimizer: Optim
+    num_tokens: torch.Tensor  # valid tokens in the global batch (all DP ranks)
+    forward_only: bool = False
+    # Applied to each microbatch before the model sees it (context parallel takes its sequence chunk).
+    prepare: Callable[[Batch], Batch] = lambda b: b
+
+
+def microbatch_loss(model: nn.Module, mb: Batch, num_tokens: torch.Tensor) -> torch.Tensor:
+    per_token = model(mb.tokens, mb.labels)
+    return (per_token * mb.loss_mask).sum() / num_tokens
+
+
+def forward_backward_no_pipelining(chunks: list[nn.Module], microbatches: list[Batch], ctx: StepContext) -> torch.Tensor:
+    """Returns this rank's sum of normalised microbatch losses (detached)."""
+    (model,) = chunks
+    total = torch.zeros((), dtype=torch.float32, device=microbatches[0].tokens.device)
+    for i, mb in enumerate(microbatches):
+        mb = ctx.prepare(mb)
+        with ctx.optimizer.microbatch(is_last=i == len(microbatches) - 1):
+            if ctx.forward_only:
+                with torch.no_grad():
+                    loss = microbatch_loss(model, mb, ctx.num_tokens)
+            else:
+                loss = microbatch_loss(model, mb, ctx.num_tokens)
+                ctx.optimizer.scale_loss(loss).backward()
+        total += loss.detach().float()
+    return total
