@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
-from typing import ContextManager, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
