@@ -1,0 +1,161 @@
+"""The equivalence harness: run any layout as N gloo processes on CPU and read back its metrics.
+
+Every parallel feature is tested the same way: the per-iteration loss (and grad
+norm) of a layout must equal the single-process run on the same tokens.
+Each run gets its own rendezvous port and directory, so tests never collide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+ENTRY = ROOT / "pretrain_gpt.py"
+
+# The Foundation issue's FLAGS (TensorBoard dir added per run when asked for).
+BASE_FLAGS = (
+    "--device cpu --mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+    "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 --train-iters 5 --lr 1e-3 "
+    "--vocab-size 500 --log-interval 1"
+).split()
+
+FP32_RTOL = 1e-5
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    records: list[dict] = field(default_factory=list)
+    stdout: str = ""
+    stderr: str = ""
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.records if "loss" in r]
+
+    @property
+    def grad_norms(self) -> list[float]:
+        return [r["grad_norm"] for r in self.records if "grad_norm" in r]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def with_flag(flags: list[str], name: str, value: str) -> list[str]:
+    """flags with `name` set to `value` (replacing an existing value)."""
+    out = list(flags)
+    if name in out:
+        out[out.index(name) + 1] = value
+    else:
+        out += [name, value]
+    return out
+
+
+def run_layout(
+    flags: list[str], nproc: int, workdir: Path, timeout: float = 240, check: bool = True, env: Optional[dict] = None
+) -> RunResult:
+    """Launch `pretrain_gpt.py flags` as `nproc` ranks (RANK/WORLD_SIZE env, like torchrun) and collect metrics."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics = workdir / "metrics.jsonl"
+    if metrics.exists():
+        metrics.unlink()
+    port = free_port()
+    procs = []
+    for rank in range(nproc):
+        rank_env = {
+            **os.environ,
+            **(env or {}),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        cmd = [sys.executable, str(ENTRY), *flags, "--metrics-file", str(metrics)]
+        procs.append(subprocess.Popen(cmd, cwd=workdir, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    code = max(abs(p.returncode) for p in procs)
+    result = RunResult(code, stdout=outs[0][0], stderr="\n".join(o[1] for o in outs))
+    if metrics.exists():
+        result.records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    if check and code != 0:
+        raise AssertionError(f"run failed (exit {code}) with {nproc} ranks: {' '.join(flags)}\n{result.stderr[-3000:]}")
+    return result
+
+
+_reference_cache: dict[tuple, RunResult] = {}
+
+
+def reference(flags: list[str], workdir: Path) -> RunResult:
+    """The single-process run of `flags`, computed once per test session."""
+    key = tuple(flags)
+    if key not in _reference_cache:
+        _reference_cache[key] = run_layout(flags, 1, workdir)
+    return _reference_cache[key]
+
+
+def assert_close(actual: list[float], expected: list[float], rtol: float = FP32_RTOL, what: str = "loss") -> None:
+    assert len(actual) == len(expected) and expected, f"{what}: got {len(actual)} values, expected {len(expected)}"
+    for i, (a, e) in enumerate(zip(actual, expected), start=1):
+        assert abs(a - e) <= rtol * abs(e), f"{what} at iteration {i}: {a!r} vs single-process {e!r} (rtol {rtol})"
+
+
+def assert_equivalent(
+    flags: list[str],
+    nproc: int,
+    tmp_path: Path,
+    extra: list[str],
+    rtol: float = FP32_RTOL,
+    reference_extra: Optional[list[str]] = None,
+) -> RunResult:
+    """Run `flags + extra` on nproc ranks; its losses and grad norms must equal the 1-process run."""
+    ref = reference(flags + (reference_extra or []), tmp_path / "ref")
+    run = run_layout(flags + extra, nproc, tmp_path / "run")
+    assert_close(run.losses, ref.losses, rtol, "lm loss")
+    assert_close(run.grad_norms, ref.grad_norms, rtol, "grad norm")
+    return run
+
+
+def run_script(script: Path, nproc: int, args: Optional[list[str]] = None, timeout: float = 120) -> str:
+    """Run a worker script as nproc gloo ranks (env rendezvous); fail with its stderr if any rank fails."""
+    port = free_port()
+    procs = []
+    for rank in range(nproc):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *(args or [])], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise AssertionError(f"{script.name} failed on a rank (exit {p.returncode}):\n{err[-3000:]}")
+    return outs[0][0]

@@ -1,0 +1,91 @@
+"""Worker: each tensor-parallel layer equals its single-device torch counterpart, forward and backward."""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tricorn.model.init import shard_info
+from tricorn.parallel.tensor import (
+    ColumnParallelLinear,
+    ParallelHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_from_sequence,
+    vocab_parallel_cross_entropy,
+)
+
+dist.init_process_group("gloo")
+group = dist.group.WORLD
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)  # same full tensors on every rank
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def shard(full: torch.Tensor, dim: int) -> torch.Tensor:
+    return full.chunk(world, dim=dim)[rank].clone()
+
+
+def check(name, got, want):
+    torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+b, s, h, out = 2, 8, 16, 12
+x_full = torch.randn(b, s, h)
+w_col, bias_col = torch.randn(out, h), torch.randn(out)
+w_row, bias_row = torch.randn(h, out), torch.randn(h)
+grad_out = torch.randn(b, s, h)
+
+for sp in (False, True):
+    col = ColumnParallelLinear(h, out, bias=True, group=group, sequence_parallel=sp)
+    row = RowParallelLinear(out, h, bias=True, group=group, sequence_parallel=sp)
+    with torch.no_grad():
+        col.weight.copy_(shard(w_col, 0))
+        col.bias.copy_(shard(bias_col, 0))
+        row.weight.copy_(shard(w_row, 1))
+        row.bias.copy_(bias_row)
+    assert shard_info(col.weight).full_size == out and shard_info(row.weight).dim == 1
+    x = (shard(x_full, 1) if sp else x_full.clone()).requires_grad_()
+    y = row(col(x))
+    y_ref_in = x_full.clone().requires_grad_()
+    y_ref = F.linear(F.linear(y_ref_in, w_col, bias_col), w_row, bias_row)
+    check(f"column->row forward sp={sp}", gather_from_sequence(y, group) if sp else y, y_ref)
+    y.backward(shard(grad_out, 1) if sp else grad_out)
+    y_ref.backward(grad_out)
+    check(f"input grad sp={sp}", x.grad, shard(y_ref_in.grad, 1) if sp else y_ref_in.grad)
+    w_ref = w_col.clone().requires_grad_()
+    F.linear(F.linear(x_full, w_ref, bias_col), w_row, bias_row).backward(grad_out)
+    check(f"column weight grad sp={sp}", col.weight.grad, shard(w_ref.grad, 0))
+    bias_grad = row.bias.grad.clone()
+    if sp:  # replicated bias on a sequence shard: partial grads, summed over TP by the trainer
+        dist.all_reduce(bias_grad)
+    check(f"row bias grad sp={sp}", bias_grad, grad_out.sum((0, 1)))
+
+# Vocab-parallel embedding against nn.Embedding, with a vocabulary that does not divide by TP.
+vocab, padded = 37, 40
+table = torch.randn(vocab, h)
+emb = VocabParallelEmbedding(padded, h, group=group, sequence_parallel=False, vocab_size=vocab)
+padded_table = torch.cat([table, torch.zeros(padded - vocab, h)])
+with torch.no_grad():
+    emb.weight.copy_(shard(padded_table, 0))
+tokens = torch.randint(0, vocab, (b, s))
+ref_table = table.clone().requires_grad_()
+check("embedding forward", emb(tokens), F.embedding(tokens, ref_table))
+emb(tokens).backward(grad_out)
+F.embedding(tokens, ref_table).backward(grad_out)
+check("embedding grad", emb.weight.grad, shard(torch.cat([ref_table.grad, torch.zeros(padded - vocab, h)]), 0))
+
+# Vocab-parallel head + cross entropy against F.cross_entropy over the real vocabulary only.
+head = ParallelHead(h, padded, tied=False, group=group, sequence_parallel=False, vocab_size=vocab)
+with torch.no_grad():
+    head.weight.copy_(shard(padded_table, 0))
+labels = torch.randint(0, vocab, (b, s))
+xh = x_full.clone().requires_grad_()
+loss = vocab_parallel_cross_entropy(head(xh), labels, vocab, group)
+xr = x_full.clone().requires_grad_()
+ref = F.cross_entropy(F.linear(xr, table).flatten(0, 1), labels.flatten(), reduction="none").view(b, s)
+check("cross entropy", loss, ref)
+g = torch.rand(b, s)
+loss.backward(g)
+ref.backward(g)
+check("cross entropy input grad", xh.grad, xr.grad)
+print("ok")
