@@ -155,7 +155,7 @@ def run_script(script: Path, nproc: int, args: Optional[list[str]] = None, timeo
             )
         )
     outs = [p.communicate(timeout=timeout) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_out, err) in zip(procs, outs):
         if p.returncode != 0:
             raise AssertionError(f"{script.name} failed on a rank (exit {p.returncode}):\n{err[-3000:]}")
     return outs[0][0]
