@@ -1,0 +1,66 @@
+"""Pipeline parallelism: schedules as data, their simulator, and the layer split over stages.
+
+* ``schedules``: per-rank action lists (forward-only, GPipe, 1F1B, interleaved 1F1B) and
+  ``schedule_for``, which the trainer's executor calls;
+* ``simulator``: runs the lists with costs and cross-rank dependencies (makespan, bubble,
+  activations in flight, deadlock report);
+* ``stages``: which global layers each (pipeline rank, model chunk) holds, ``validate_pipeline``;
+* ``cli``: ``tricorn schedule``.
+
+Nothing in these modules touches torch.distributed; the executor that runs the lists with
+``batch_isend_irecv`` lives next to them.
+"""
+
+from tricorn.parallel.pipeline.schedules import (
+    BACKWARD,
+    FORWARD,
+    RECV_BACKWARD,
+    RECV_FORWARD,
+    SCHEDULES,
+    SEND_BACKWARD,
+    SEND_FORWARD,
+    Action,
+    Kind,
+    ScheduleError,
+    check_schedule,
+    counterpart,
+    group_steps,
+    is_first_stage,
+    is_last_stage,
+    next_stage,
+    prev_stage,
+    schedule_for,
+    virtual_stage,
+)
+from tricorn.parallel.pipeline.simulator import Costs, SimResult, simulate
+from tricorn.parallel.pipeline.stages import StageLayout, StageSplitError, layout_from_config, stage_layout, validate_pipeline
+
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "RECV_BACKWARD",
+    "RECV_FORWARD",
+    "SCHEDULES",
+    "SEND_BACKWARD",
+    "SEND_FORWARD",
+    "Action",
+    "Costs",
+    "Kind",
+    "ScheduleError",
+    "SimResult",
+    "StageLayout",
+    "StageSplitError",
+    "check_schedule",
+    "counterpart",
+    "group_steps",
+    "is_first_stage",
+    "is_last_stage",
+    "layout_from_config",
+    "next_stage",
+    "prev_stage",
+    "schedule_for",
+    "simulate",
+    "stage_layout",
+    "validate_pipeline",
+    "virtual_stage",
+]
