@@ -44,24 +44,34 @@ SEQ_DIM = 1  # activations are [batch, seq, hidden]
 # ---------------------------------------------------------------- collectives along the sequence
 
 
-def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def all_gather_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim` (rank order)."""
     world = dist.get_world_size(group)
     if world == 1:
         return x
-    x = x.transpose(0, SEQ_DIM).contiguous()
+    x = x.transpose(0, dim).contiguous()
     out = x.new_empty((world * x.shape[0],) + x.shape[1:])
     dist.all_gather_into_tensor(out, x, group=group)
-    return out.transpose(0, SEQ_DIM)
+    return out.transpose(0, dim)
+
+
+def reduce_scatter_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum over ranks, each keeping its 1/world slice along `dim`."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    x = x.transpose(0, dim).contiguous()
+    out = x.new_empty((x.shape[0] // world,) + x.shape[1:])
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out.transpose(0, dim)
+
+
+def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return all_gather_dim(x, SEQ_DIM, group)
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    world = dist.get_world_size(group)
-    if world == 1:
-        return x
-    x = x.transpose(0, SEQ_DIM).contiguous()
-    out = x.new_empty((x.shape[0] // world,) + x.shape[1:])
-    dist.reduce_scatter_tensor(out, x, group=group)
-    return out.transpose(0, SEQ_DIM)
+    return reduce_scatter_dim(x, SEQ_DIM, group)
 
 
 def _split_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

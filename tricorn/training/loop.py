@@ -20,6 +20,7 @@ from torch import nn
 
 from tricorn.config import Config
 from tricorn.data.base import Batch, GlobalBatchLoader
+from tricorn.parallel.context import slice_batch
 from tricorn.parallel.state import ParallelState
 from tricorn.training.logging import MetricsLogger
 from tricorn.training.lr_schedule import learning_rate
@@ -67,6 +68,9 @@ class Trainer:
         size = self.cfg.training.micro_batch_size
         return [batch.slice(i * size, (i + 1) * size).to(self.state.device) for i in range(num_microbatches)]
 
+    def _cp_slice(self, mb: Batch) -> Batch:
+        return slice_batch(mb, self.state.cp_rank, self.state.cp_size)
+
     def _global_tokens(self, batch: Batch) -> torch.Tensor:
         tokens = batch.loss_mask.sum().to(self.state.device, torch.float32)
         dist.all_reduce(tokens, group=self.state.dp_group)
@@ -86,7 +90,7 @@ class Trainer:
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
-        ctx = StepContext(optimizer=self.optimizer, num_tokens=self._global_tokens(batch))
+        ctx = StepContext(optimizer=self.optimizer, num_tokens=self._global_tokens(batch), prepare=self._cp_slice)
         local_loss = self.forward_backward(self.chunks, self._microbatches(batch, num_microbatches), ctx)
         self.optimizer.finish_grad_sync()
         info = self.optimizer.step()
@@ -102,7 +106,7 @@ class Trainer:
         total = 0.0
         for _ in range(self.cfg.data.eval_iters):
             batch = self.valid_loader.next(gbs)
-            ctx = StepContext(optimizer=self.optimizer, num_tokens=self._global_tokens(batch), forward_only=True)
+            ctx = StepContext(self.optimizer, self._global_tokens(batch), forward_only=True, prepare=self._cp_slice)
             total += self._reduce_loss(self.forward_backward(self.chunks, self._microbatches(batch, nmb), ctx))
         return total / self.cfg.data.eval_iters
 

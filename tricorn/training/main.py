@@ -41,12 +41,13 @@ def _prepare_vocab(cfg: Config) -> list[str]:
 def build(cfg: Config, state):
     """Model chunks, optimizer, loaders and the forward/backward function for this rank."""
     from tricorn.model import GPTModel
+    from tricorn.parallel.context import apply_context_parallel
     from tricorn.parallel.optimizer import Optimizer
     from tricorn.parallel.tensor import seed_everything, tensor_parallel_spec
     from tricorn.training.step import forward_backward_no_pipelining
 
     tracker = seed_everything(cfg.training.seed, state.pp_rank, state.tp_rank, state.device)
-    spec = tensor_parallel_spec(cfg, state.tp_group, tracker)
+    spec = apply_context_parallel(tensor_parallel_spec(cfg, state.tp_group, tracker), state.cp_group, cfg.model.seq_length)
     model = GPTModel(cfg.model, spec, padded_vocab_size=cfg.model.padded_vocab_size(state.tp_size)).to(state.device)
     model.init_weights(cfg.training.seed)
     chunks = [model]

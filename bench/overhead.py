@@ -1,0 +1,98 @@
+"""Benchmark: tricorn's trainer at TP=PP=DP=1 against a bare PyTorch loop of the same model math.
+
+Both sides train the same model (same init) on the same tokens, one after the
+other in this process, and the script prints tokens/s of each and the ratio
+(goal >= 0.97). Not a test: CI never times anything.
+
+    .venv/bin/python bench/overhead.py [--iters 20] [--hidden 256] [--layers 4] [--seq 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tricorn.config import config_from_args
+from tricorn.model import GPTModel
+from tricorn.parallel.optimizer import param_groups
+from tricorn.parallel.state import destroy_parallel, init_parallel
+from tricorn.training.logging import MetricsLogger
+from tricorn.training.loop import Trainer
+from tricorn.training.lr_schedule import learning_rate
+from tricorn.training.main import build, build_loaders
+
+
+def bare_loop(cfg, batches) -> float:
+    """The same math with nothing around it: model, AdamW, clip, LR schedule."""
+    model = GPTModel(cfg.model)
+    model.init_weights(cfg.training.seed)
+    t = cfg.training
+    opt = torch.optim.AdamW(
+        param_groups([model], t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, foreach=True
+    )
+    mbs = t.micro_batch_size
+    start = None
+    for it, batch in enumerate(batches, start=1):
+        if it == 2:
+            start = time.perf_counter()  # first iteration warms up allocators
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(t, it)
+        opt.zero_grad(set_to_none=True)
+        n = batch.loss_mask.sum()
+        for i in range(len(batch) // mbs):
+            mb = batch.slice(i * mbs, (i + 1) * mbs)
+            loss = (model(mb.tokens, mb.labels) * mb.loss_mask).sum() / n
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad, foreach=True)
+        opt.step()
+        loss.item()
+    return time.perf_counter() - start
+
+
+def trainer_loop(cfg) -> float:
+    state = init_parallel(cfg)
+    chunks, optimizer, fwd_bwd, _ = build(cfg, state)
+    train_loader, _ = build_loaders(cfg, state)
+    trainer = Trainer(cfg, state, chunks, optimizer, train_loader, None, MetricsLogger(cfg, rank=1), fwd_bwd)
+    trainer.run_iteration()
+    start = time.perf_counter()
+    while trainer.iteration < cfg.training.train_iters:
+        trainer.run_iteration()
+    elapsed = time.perf_counter() - start
+    destroy_parallel()
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    argv = (
+        f"--device cpu --mock-data --num-layers {args.layers} --hidden-size {args.hidden} --num-attention-heads 8 "
+        f"--seq-length {args.seq} --micro-batch-size 4 --global-batch-size 8 --train-iters {args.iters} "
+        f"--vocab-size 8000 --swiglu --disable-bias-linear --lr 1e-4"
+    ).split()
+    cfg = config_from_args(argv, world_size=1)
+    from tricorn.data.base import GlobalBatchLoader, MockSamples
+
+    loader = GlobalBatchLoader(MockSamples(cfg.model.vocab_size, cfg.model.seq_length, cfg.training.seed), 0, 1)
+    batches = [loader.next(cfg.training.global_batch_size) for _ in range(args.iters)]
+    tokens = (args.iters - 1) * cfg.training.global_batch_size * cfg.model.seq_length
+    best_bare, best_ours = float("inf"), float("inf")
+    for _ in range(args.repeats):  # alternate so that machine noise hits both sides
+        best_bare = min(best_bare, bare_loop(cfg, batches))
+        best_ours = min(best_ours, trainer_loop(cfg))
+    print(f"{'side':<10}{'tokens/s':>12}")
+    print(f"{'bare':<10}{tokens / best_bare:>12.0f}")
+    print(f"{'tricorn':<10}{tokens / best_ours:>12.0f}")
+    print(f"ratio tricorn/bare = {best_bare / best_ours:.3f} (goal >= 0.97)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Context parallelism: load-balanced sequence chunks, all-gathered k/v, equal to one process."""
+
+import torch
+from harness import BASE_FLAGS, assert_equivalent
+
+from tricorn.parallel.context import local_positions
+
+GQA = ["--num-query-groups", "2", "--group-query-attention"]
+
+
+def test_chunks_cover_the_sequence_once_and_balance_causal_work():
+    cp, s = 4, 64
+    kept = [local_positions(s, r, cp) for r in range(cp)]
+    assert torch.equal(torch.sort(torch.cat(kept)).values, torch.arange(s))
+    # Causal work of a rank = sum over its queries of (position + 1): equal for all ranks.
+    work = {int((k + 1).sum()) for k in kept}
+    assert len(work) == 1
+
+
+def test_cp2_equals_single_process(tmp_path):
+    assert_equivalent(BASE_FLAGS + GQA, 2, tmp_path, ["--context-parallel-size", "2"])
+
+
+def test_cp2_tp2_sp_equals_single_process(tmp_path):
+    assert_equivalent(
+        BASE_FLAGS + GQA,
+        4,
+        tmp_path,
+        ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    )
