@@ -1,0 +1,230 @@
+"""The trainer's entry points to data: prepare_vocab (before validation) and build_loaders.
+
+Sources per split (train, valid, test):
+  --train/valid/test-data-path P...  that split reads the whole of those datasets;
+  otherwise --data-path P...         each dataset is cut by documents with --split;
+  --mock-data                        MockSamples (seed for train, seed+1 valid, seed+2 test).
+A path list is one prefix, WEIGHT PREFIX pairs (blended by weight), or several
+prefixes without weights (blended by their tokens). Sizes: train_iters x global
+batch samples for train, (train_iters // eval_interval + 1) x eval_iters x
+global batch for valid, eval_iters x global batch for test (Megatron's).
+
+Every rank builds the same global sample order; GlobalBatchLoader hands each
+DP rank its slice, so global batch j is the same at any DP size, and the only
+state is consumed_samples. Collectives: one barrier on the default group per
+dataset when torch.distributed is initialised and --data-cache-path is set
+(see tricorn.data.cache), so all ranks must call build_loaders.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from tricorn.data.base import GlobalBatchLoader, MockSamples, SampleSource
+from tricorn.data.blended import BlendedDataset, blending_counts
+from tricorn.data.errors import DataError
+from tricorn.data.gpt_dataset import SPLIT_NAMES, GPTDataset, split_ranges
+from tricorn.data.indexed import IndexedDataset
+from tricorn.data.tokenizer import build_tokenizer
+
+log = logging.getLogger(__name__)
+# Token ids checked against the vocabulary when a run starts: enough to catch the wrong tokenizer, cheap to read.
+_VOCAB_CHECK_TOKENS = 1 << 20
+
+
+@dataclass
+class BlendSpec:
+    flag: str
+    prefixes: list[str]
+    weights: Optional[list[float]]  # None: by each dataset's tokens in the split
+
+
+def _strip_extension(prefix: str) -> str:
+    return prefix[:-4] if prefix.endswith((".bin", ".idx")) else prefix
+
+
+def parse_blend(values: list[str], flag: str) -> BlendSpec:
+    """PREFIX | WEIGHT PREFIX [WEIGHT PREFIX ...] | PREFIX PREFIX ..."""
+    values = [str(v) for v in values]
+
+    def is_number(s: str) -> bool:
+        try:
+            float(s)
+            return True
+        except ValueError:
+            return False
+
+    if len(values) == 1 and not is_number(values[0]):
+        return BlendSpec(flag, [_strip_extension(values[0])], None)
+    if len(values) % 2 == 0 and all(is_number(w) for w in values[0::2]) and not any(is_number(p) for p in values[1::2]):
+        return BlendSpec(flag, [_strip_extension(p) for p in values[1::2]], [float(w) for w in values[0::2]])
+    if values and not any(is_number(v) for v in values):
+        return BlendSpec(flag, [_strip_extension(p) for p in values], None)
+    raise DataError(
+        f"{flag} must be PREFIX or WEIGHT PREFIX pairs (e.g. 0.3 data/a_text_document 0.7 data/b_text_document), got {' '.join(values)}"
+    )
+
+
+def _split_specs(cfg: Any) -> list[Optional[tuple[BlendSpec, Optional[str]]]]:
+    """Per split: the blend and the --split string to cut it with (None: use whole datasets)."""
+    d = cfg.data
+    explicit = [
+        (d.train_data_path, "--train-data-path"),
+        (d.valid_data_path, "--valid-data-path"),
+        (d.test_data_path, "--test-data-path"),
+    ]
+    out: list[Optional[tuple[BlendSpec, Optional[str]]]] = []
+    for values, flag in explicit:
+        if values:
+            out.append((parse_blend(values, flag), None))
+        elif d.data_path:
+            out.append((parse_blend(d.data_path, "--data-path"), d.split))
+        else:
+            out.append(None)
+    return out
+
+
+def split_sizes(cfg: Any) -> tuple[int, int, int]:
+    t, d = cfg.training, cfg.data
+    gbs = t.global_batch_size
+    if gbs is None:
+        raise ValueError("cfg.training.global_batch_size must be resolved before building loaders")
+    if d.eval_iters <= 0:
+        return t.train_iters * gbs, 0, 0
+    evaluations = t.train_iters // d.eval_interval + 1 if d.eval_interval > 0 else 1
+    return t.train_iters * gbs, evaluations * d.eval_iters * gbs, d.eval_iters * gbs
+
+
+class _Datasets:
+    """Opens each prefix once (all splits share the memory maps)."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, IndexedDataset] = {}
+
+    def __call__(self, prefix: str) -> IndexedDataset:
+        if prefix not in self._open:
+            self._open[prefix] = IndexedDataset(prefix)
+        return self._open[prefix]
+
+
+def build_split_source(
+    cfg: Any, split_index: int, num_samples: int, datasets: Optional[_Datasets] = None
+) -> Optional[SampleSource]:
+    """The sample source of one split (0 train, 1 valid, 2 test), or None when it has no data or no samples are wanted."""
+    spec = _split_specs(cfg)[split_index]
+    name = SPLIT_NAMES[split_index]
+    if spec is None or num_samples <= 0:
+        return None
+    blend, split = spec
+    datasets = datasets or _Datasets()
+    parts: list[tuple[IndexedDataset, np.ndarray, float]] = []
+    for k, prefix in enumerate(blend.prefixes):
+        indexed = datasets(prefix)
+        beg, end = split_ranges(split, len(indexed))[split_index] if split is not None else (0, len(indexed))
+        documents = np.arange(beg, end, dtype=np.int64)
+        weight = blend.weights[k] if blend.weights is not None else float(indexed.sequence_lengths[beg:end].sum(dtype=np.int64))
+        if documents.size == 0 or weight <= 0:
+            if blend.weights is not None and weight > 0 and name == "train":
+                raise DataError(f"the train split of {prefix} has no documents (--split {split}); give train a larger share")
+            continue
+        parts.append((indexed, documents, weight))
+    if not parts:
+        if name == "train":
+            raise DataError(
+                f"the train split of {' '.join(blend.prefixes)} has no documents (--split {split}); give train a larger share"
+            )
+        log.warning("the %s split of %s has no documents (--split %s); no %s loader", name, " ".join(blend.prefixes), split, name)
+        return None
+    seq, seed, cache = cfg.model.seq_length, cfg.training.seed, cfg.data.data_cache_path
+    if len(parts) == 1:
+        indexed, documents, _ = parts[0]
+        return GPTDataset(indexed, documents, num_samples, seq, seed, cache, name)
+    weights = [w for _, _, w in parts]
+    counts = blending_counts(weights, num_samples)
+    components = [
+        GPTDataset(indexed, documents, int(count), seq, seed, cache, name)
+        for (indexed, documents, _), count in zip(parts, counts)
+        if count > 0
+    ]
+    kept = [w for w, count in zip(weights, counts) if count > 0]
+    return BlendedDataset(components, kept, num_samples, cache, name)
+
+
+def build_loaders(
+    cfg: Any, dp_rank: int, dp_size: int, consumed_samples: int = 0
+) -> tuple[GlobalBatchLoader, Optional[GlobalBatchLoader], Optional[GlobalBatchLoader]]:
+    """(train, valid, test) loaders; train resumes at consumed_samples, valid/test start at 0 (set their state to resume)."""
+    sizes = split_sizes(cfg)
+    if cfg.data.mock_data:
+        vocab, seq, seed = cfg.model.vocab_size, cfg.model.seq_length, cfg.training.seed
+        sources: list[Optional[SampleSource]] = [
+            MockSamples(vocab, seq, seed + i) if i == 0 or sizes[i] > 0 else None for i in range(len(SPLIT_NAMES))
+        ]
+    else:
+        datasets = _Datasets()
+        sources = [build_split_source(cfg, i, sizes[i], datasets) for i in range(len(SPLIT_NAMES))]
+    assert sources[0] is not None
+    train = GlobalBatchLoader(sources[0], dp_rank, dp_size, consumed_samples)
+    valid = GlobalBatchLoader(sources[1], dp_rank, dp_size) if sources[1] is not None else None
+    test = GlobalBatchLoader(sources[2], dp_rank, dp_size) if sources[2] is not None else None
+    return train, valid, test
+
+
+def prepare_vocab(cfg: Any) -> list[str]:
+    """Resolve cfg.model.vocab_size from the tokenizer and check the data files; returns one line per problem.
+
+    No --vocab-size: the tokenizer's. A --vocab-size (or preset) at least the
+    tokenizer's: kept. A smaller one is refused when the padded vocabulary
+    cannot hold every tokenizer id. Then every data prefix is opened (header,
+    sizes) and its first tokens are checked against the padded vocabulary.
+    """
+    d, m = cfg.data, cfg.model
+    if d.mock_data:
+        return []
+    try:
+        tokenizer = build_tokenizer(cfg)
+    except DataError as e:
+        return [str(e)]
+    tp = cfg.parallel.tensor_model_parallel_size
+    if m.vocab_size is None:
+        m.vocab_size = tokenizer.vocab_size
+    elif m.vocab_size < tokenizer.vocab_size and m.padded_vocab_size(tp) < tokenizer.vocab_size:
+        source = d.tokenizer_model or tokenizer.name
+        return [
+            f"tokenizer {source} has {tokenizer.vocab_size} tokens but the model's padded vocabulary is {m.padded_vocab_size(tp)} "
+            f"(--vocab-size {m.vocab_size}); raise --vocab-size to at least {tokenizer.vocab_size} or leave it out to use the tokenizer's"
+        ]
+    return check_data_files(cfg, m.padded_vocab_size(tp))
+
+
+def check_data_files(cfg: Any, padded_vocab: int) -> list[str]:
+    errs: list[str] = []
+    try:
+        specs = _split_specs(cfg)
+    except DataError as e:
+        return [str(e)]
+    prefixes = sorted({p for spec in specs if spec is not None for p in spec[0].prefixes})
+    for prefix in prefixes:
+        try:
+            indexed = IndexedDataset(prefix)
+        except DataError as e:
+            errs.append(str(e))
+            continue
+        if len(indexed) == 0:
+            errs.append(f"{prefix}.idx holds no documents; re-run `tricorn preprocess` on non-empty input")
+            continue
+        head = indexed.head_tokens(_VOCAB_CHECK_TOKENS)
+        top = int(head.max()) if head.size else 0
+        if top >= padded_vocab or (head.size and int(head.min()) < 0):
+            errs.append(
+                f"{prefix}.bin holds token id {top if top >= padded_vocab else int(head.min())} outside the model's vocabulary "
+                f"[0, {padded_vocab}); was it preprocessed with another tokenizer than {cfg.data.tokenizer_model or cfg.data.tokenizer_type}?"
+            )
+    if cfg.data.data_cache_path and os.path.exists(cfg.data.data_cache_path) and not os.path.isdir(cfg.data.data_cache_path):
+        errs.append(f"--data-cache-path {cfg.data.data_cache_path} exists and is not a directory")
+    return errs
