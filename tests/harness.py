@@ -61,8 +61,19 @@ def with_flag(flags: list[str], name: str, value: str) -> list[str]:
     return out
 
 
+def _port_clash(stderr: str) -> bool:
+    """Another process took our rendezvous port between picking and binding it: retry on a new one."""
+    return "address already in use" in stderr.lower() or "EADDRINUSE" in stderr
+
+
 def run_layout(
-    flags: list[str], nproc: int, workdir: Path, timeout: float = 240, check: bool = True, env: Optional[dict] = None
+    flags: list[str],
+    nproc: int,
+    workdir: Path,
+    timeout: float = 240,
+    check: bool = True,
+    env: Optional[dict] = None,
+    attempts: int = 3,
 ) -> RunResult:
     """Launch `pretrain_gpt.py flags` as `nproc` ranks (RANK/WORLD_SIZE env, like torchrun) and collect metrics."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -97,6 +108,8 @@ def run_layout(
     result = RunResult(code, stdout=outs[0][0], stderr="\n".join(o[1] for o in outs))
     if metrics.exists():
         result.records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    if code != 0 and _port_clash(result.stderr) and attempts > 1:
+        return run_layout(flags, nproc, workdir, timeout, check, env, attempts - 1)
     if check and code != 0:
         raise AssertionError(f"run failed (exit {code}) with {nproc} ranks: {' '.join(flags)}\n{result.stderr[-3000:]}")
     return result
