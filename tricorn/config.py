@@ -517,13 +517,22 @@ def validate(cfg: Config) -> list[str]:
         errs.append("--transformer-impl transformer_engine needs --device cuda (Transformer Engine has no CPU path)")
     if t.fp8_format and m.transformer_impl != "transformer_engine":
         errs.append("--fp8-format needs --transformer-impl transformer_engine")
+    if not errs:
+        # Each feature validates its own flags; imported here so config.py stays import-light.
+        from tricorn.parallel.pipeline.stages import validate_pipeline
+        from tricorn.training.batch_schedule import validate_rampup
+
+        errs += validate_pipeline(cfg) + validate_rampup(cfg)
     errs += _validate_unsupported(cfg)
     return errs
 
 
 def _validate_unsupported(cfg: Config) -> list[str]:
     """Combinations that are refused until the feature lands (each refusal names the flag)."""
-    return []
+    errs = []
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        errs.append("--pipeline-model-parallel-size > 1 is not wired into the trainer yet")
+    return errs
 
 
 def parse_config(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> Config:
