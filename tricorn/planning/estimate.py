@@ -1,0 +1,203 @@
+"""`tricorn estimate`: per-rank memory of a config, by category, as a table, JSON or a bar chart.
+
+    tricorn estimate --model-preset llama2-7b --bf16 --world-size 8 --use-distributed-optimizer --gpu-type h100-80gb
+    tricorn estimate --model-preset tiny --vocab-size 256 --device cpu --json
+
+Takes pretrain_gpt.py's flags (the same parser) plus --world-size (there is no launcher here), --gpu-type or
+--gpu-memory-gb (to say whether it fits), --json and --plot FILE.png. ``format_report(cfg)`` is the text that
+``pretrain_gpt.py --dry-run`` prints. Data flags are not needed: the estimate reads no data.
+No collectives, no device work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+from tricorn.config import Config, ConfigError, _validate_unsupported, build_parser, config_from_args, validate
+from tricorn.planning.flops import iteration_flops_for_config
+from tricorn.planning.hardware import GiB, get_gpu
+from tricorn.planning.memory import MemoryEstimate, estimate_config, total_params
+
+CATEGORIES = [
+    ("params_bytes", "parameters"),
+    ("grads_bytes", "gradients (main grads)"),
+    ("master_params_bytes", "master parameters"),
+    ("optimizer_state_bytes", "optimizer state"),
+    ("activation_bytes", "activations"),
+    ("embedding_logits_bytes", "embedding + logits"),
+    ("buffer_bytes", "buffers"),
+    ("overhead_bytes", "CUDA context/workspace"),
+]
+
+
+def _extra_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--world-size", type=int, help="Ranks of the job (default: TP x PP x CP, i.e. DP = 1).")
+    p.add_argument("--gpu-type", help="a100-80gb | h100-80gb | h200-141gb: memory to compare with.")
+    p.add_argument("--gpu-memory-gb", type=float, help="Device memory in GiB (overrides --gpu-type's).")
+    p.add_argument("--json", action="store_true", help="Print the estimate as JSON.")
+    p.add_argument("--plot", metavar="FILE.png", help="Draw the breakdown as a bar chart (needs matplotlib).")
+    return p
+
+
+def _usage() -> str:
+    extra = _extra_parser().format_help().split("\n", 2)[-1]
+    return build_parser("tricorn estimate").format_help() + "\nestimate:\n" + extra
+
+
+def config_for_estimate(argv: list[str], world_size: Optional[int] = None) -> Config:
+    """Parse pretrain_gpt.py flags for an estimate: GPU unless --device is given; data flags optional."""
+    cfg = config_from_args(argv, world_size=world_size if world_size is not None else 1)
+    if world_size is None:
+        p = cfg.parallel
+        cfg.world_size = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+        cfg.training.global_batch_size = None
+        from tricorn.config import _resolve_defaults
+
+        _resolve_defaults(cfg)
+    if "--device" not in argv:
+        cfg.device = "cuda"
+    if cfg.model.vocab_size is None and cfg.data.tokenizer_model:
+        cfg.model.vocab_size = _tokenizer_vocab(cfg.data.tokenizer_model)
+    if cfg.model.vocab_size is None:
+        raise ConfigError("the vocabulary size is unknown: pass --vocab-size N or --tokenizer-model FILE.model")
+    # An estimate needs no data, and sizes layouts whose features the trainer may not run yet.
+    not_yet = set(_validate_unsupported(cfg))
+    errors = [e for e in validate(cfg) if "training data" not in e and e not in not_yet]
+    if errors:
+        raise ConfigError("; ".join(errors))
+    return cfg
+
+
+def _tokenizer_vocab(path: str) -> int:
+    import sentencepiece
+
+    try:
+        return int(sentencepiece.SentencePieceProcessor(model_file=path).get_piece_size())
+    except OSError as e:
+        raise ConfigError(f"cannot read --tokenizer-model {path}: {e}") from None
+
+
+def estimate_record(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> dict:
+    """The JSON record: per-rank bytes by category, the layout, FLOPs, and whether it fits."""
+    est = estimate_config(cfg)
+    p = cfg.parallel
+    f = iteration_flops_for_config(cfg)
+    rec = est.to_dict()
+    rec.update(
+        total_params=total_params(cfg.model),
+        world_size=cfg.world_size,
+        layout=dict(
+            tp=p.tensor_model_parallel_size,
+            pp=p.pipeline_model_parallel_size,
+            vpp=cfg.virtual_stages,
+            cp=p.context_parallel_size,
+            dp=cfg.data_parallel_size,
+            micro_batch=cfg.training.micro_batch_size,
+            num_microbatches=cfg.num_microbatches,
+            sequence_parallel=p.sequence_parallel,
+            recompute=cfg.model.recompute_granularity,
+            zero_stage=p.zero_stage if p.use_distributed_optimizer else 0,
+            precision=cfg.param_dtype_name,
+            device=cfg.device,
+        ),
+        model_flops_per_iteration=f.model,
+        hardware_flops_per_iteration=f.hardware,
+    )
+    if gpu_memory_bytes is not None:
+        rec["gpu_memory_bytes"] = gpu_memory_bytes
+        rec["fits"] = est.total_bytes <= gpu_memory_bytes
+    return rec
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:9.2f} GiB"
+
+
+def format_report(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> str:
+    """The human report: layout, parameter count, per-category bytes on the worst rank, fit."""
+    rec = estimate_record(cfg, gpu_memory_bytes)
+    lay = rec["layout"]
+    name = cfg.model_preset or f"{cfg.model.num_layers}x{cfg.model.hidden_size}"
+    zero = f"ZeRO-{lay['zero_stage']}" if lay["zero_stage"] else "no distributed optimizer"
+    lines = [
+        f"memory estimate for {name}: TP {lay['tp']} x PP {lay['pp']} (VPP {lay['vpp']}) x CP {lay['cp']} x DP {lay['dp']}"
+        f" = {cfg.world_size} ranks on {lay['device']}",
+        f"  micro batch {lay['micro_batch']} x {lay['num_microbatches']} microbatches, {lay['precision']}, {zero}, "
+        f"recompute {lay['recompute'] or 'none'}, sequence parallel {'on' if lay['sequence_parallel'] else 'off'}",
+        f"  parameters: {rec['total_params'] / 1e9:.3f} B in the model, {rec['params_on_rank'] / 1e9:.3f} B on the worst rank "
+        f"(pipeline stage {rec['stage']}, {rec['layers_on_stage']} layers, {rec['microbatches_in_flight']:g} microbatches in flight)",
+    ]
+    for key, label in CATEGORIES:
+        lines.append(f"  {label:<26}{_gib(rec[key])}")
+    lines.append(f"  {'total':<26}{_gib(rec['total_bytes'])}")
+    if len(rec["per_stage_total_bytes"]) > 1:
+        lines.append("  per pipeline stage: " + ", ".join(f"{x / GiB:.2f}" for x in rec["per_stage_total_bytes"]) + " GiB")
+    if gpu_memory_bytes is not None:
+        free = gpu_memory_bytes - rec["total_bytes"]
+        verdict = f"fits, {free / GiB:.2f} GiB to spare" if free >= 0 else f"does NOT fit: short by {-free / GiB:.2f} GiB"
+        lines.append(f"  device memory {gpu_memory_bytes / GiB:.2f} GiB: {verdict}")
+    lines.append(
+        f"  FLOPs per iteration: {rec['model_flops_per_iteration']:.3e} model, {rec['hardware_flops_per_iteration']:.3e} hardware"
+    )
+    return "\n".join(lines)
+
+
+def plot(rec: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("tricorn estimate: error: --plot needs matplotlib; install it with `pip install tricorn[plot]`")
+    labels = [label for _, label in CATEGORIES]
+    values = [rec[key] / GiB for key, _ in CATEGORIES]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.barh(labels[::-1], values[::-1], color="#4c72b0")
+    ax.set_xlabel("GiB per rank")
+    ax.set_title(f"per-rank memory, pipeline stage {rec['stage']}: total {rec['total_bytes'] / GiB:.1f} GiB")
+    if "gpu_memory_bytes" in rec:
+        ax.axvline(rec["gpu_memory_bytes"] / GiB, color="#c44e52", linestyle="--", label="device memory")
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def gpu_memory_from_args(gpu_type: Optional[str], gpu_memory_gb: Optional[float]) -> Optional[float]:
+    if gpu_memory_gb is not None:
+        return gpu_memory_gb * GiB
+    if gpu_type is not None:
+        return float(get_gpu(gpu_type).memory_bytes)
+    return None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(_usage())
+        return 0
+    extra, rest = _extra_parser().parse_known_args(argv)
+    try:
+        cfg = config_for_estimate(rest, extra.world_size)
+        gpu_bytes = gpu_memory_from_args(extra.gpu_type, extra.gpu_memory_gb)
+    except (ConfigError, ValueError) as e:
+        print(f"tricorn estimate: error: {e}", file=sys.stderr)
+        return 2
+    rec = estimate_record(cfg, gpu_bytes)
+    if extra.plot:
+        plot(rec, extra.plot)
+    print(json.dumps(rec, indent=2) if extra.json else format_report(cfg, gpu_bytes))
+    return 0
+
+
+def estimate_for_dry_run(cfg: Config) -> MemoryEstimate:
+    """What ``pretrain_gpt.py --dry-run`` checks against the device (kept here so the trainer imports one name)."""
+    return estimate_config(cfg)
