@@ -28,7 +28,7 @@ import numpy as np
 from tricorn.data.base import GlobalBatchLoader, MockSamples, SampleSource
 from tricorn.data.blended import BlendedDataset, blending_counts
 from tricorn.data.errors import DataError
-from tricorn.data.gpt_dataset import SPLIT_NAMES, GPTDataset, split_ranges
+from tricorn.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_ranges
 from tricorn.data.indexed import IndexedDataset
 from tricorn.data.tokenizer import build_tokenizer
 
@@ -206,9 +206,12 @@ def check_data_files(cfg: Any, padded_vocab: int) -> list[str]:
     errs: list[str] = []
     try:
         specs = _split_specs(cfg)
+        if cfg.data.data_path:
+            parse_split(cfg.data.split)
     except DataError as e:
         return [str(e)]
     prefixes = sorted({p for spec in specs if spec is not None for p in spec[0].prefixes})
+    train_spec = specs[0]
     for prefix in prefixes:
         try:
             indexed = IndexedDataset(prefix)
@@ -218,6 +221,12 @@ def check_data_files(cfg: Any, padded_vocab: int) -> list[str]:
         if len(indexed) == 0:
             errs.append(f"{prefix}.idx holds no documents; re-run `tricorn preprocess` on non-empty input")
             continue
+        if train_spec is not None and train_spec[1] is not None and prefix in train_spec[0].prefixes:
+            beg, end = split_ranges(train_spec[1], len(indexed))[0]
+            if end <= beg:
+                errs.append(
+                    f"--split {train_spec[1]} leaves no training documents of the {len(indexed)} in {prefix}; give train a larger share"
+                )
         head = indexed.head_tokens(_VOCAB_CHECK_TOKENS)
         top = int(head.max()) if head.size else 0
         if top >= padded_vocab or (head.size and int(head.min()) < 0):
