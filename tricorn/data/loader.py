@@ -138,7 +138,9 @@ def build_split_source(
             raise DataError(
                 f"the train split of {' '.join(blend.prefixes)} has no documents (--split {split}); give train a larger share"
             )
-        log.warning("the %s split of %s has no documents (--split %s); no %s loader", name, " ".join(blend.prefixes), split, name)
+        # valid matters (evaluation silently off); an empty test split is normal for small corpora.
+        report = log.warning if name == "valid" else log.info
+        report("the %s split of %s has no documents (--split %s); no %s loader", name, " ".join(blend.prefixes), split, name)
         return None
     seq, seed, cache = cfg.model.seq_length, cfg.training.seed, cfg.data.data_cache_path
     if len(parts) == 1:
