@@ -25,6 +25,12 @@ def shard(full: torch.Tensor, dim: int) -> torch.Tensor:
     return full.chunk(world, dim=dim)[rank].clone()
 
 
+def vocab_shard(table: torch.Tensor, padded: int) -> torch.Tensor:
+    """This rank's rows: torch.chunk of the real vocabulary, zero-padded to padded/world rows."""
+    piece = table.chunk(world, dim=0)[rank] if rank < len(table.chunk(world, dim=0)) else table[:0]
+    return torch.cat([piece, table.new_zeros(padded // world - len(piece), table.shape[1])])
+
+
 def check(name, got, want):
     torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{name}: {m}")
 
@@ -64,20 +70,19 @@ for sp in (False, True):
 vocab, padded = 37, 40
 table = torch.randn(vocab, h)
 emb = VocabParallelEmbedding(padded, h, group=group, sequence_parallel=False, vocab_size=vocab)
-padded_table = torch.cat([table, torch.zeros(padded - vocab, h)])
 with torch.no_grad():
-    emb.weight.copy_(shard(padded_table, 0))
+    emb.weight.copy_(vocab_shard(table, padded))
 tokens = torch.randint(0, vocab, (b, s))
 ref_table = table.clone().requires_grad_()
 check("embedding forward", emb(tokens), F.embedding(tokens, ref_table))
 emb(tokens).backward(grad_out)
 F.embedding(tokens, ref_table).backward(grad_out)
-check("embedding grad", emb.weight.grad, shard(torch.cat([ref_table.grad, torch.zeros(padded - vocab, h)]), 0))
+check("embedding grad", emb.weight.grad, vocab_shard(ref_table.grad, padded))
 
 # Vocab-parallel head + cross entropy against F.cross_entropy over the real vocabulary only.
 head = ParallelHead(h, padded, tied=False, group=group, sequence_parallel=False, vocab_size=vocab)
 with torch.no_grad():
-    head.weight.copy_(shard(padded_table, 0))
+    head.weight.copy_(vocab_shard(table, padded))
 labels = torch.randint(0, vocab, (b, s))
 xh = x_full.clone().requires_grad_()
 loss = vocab_parallel_cross_entropy(head(xh), labels, vocab, group)

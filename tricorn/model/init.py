@@ -24,16 +24,24 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """How a parameter is cut: `dim` split in `world` equal chunks, this is chunk `rank`.
+    """How a parameter is cut: `dim` of the global tensor (extent `full_size`) is split
+    like torch.chunk into `world` pieces of ceil(full_size / world), and this rank holds
+    piece `rank`, zero-padded at its end up to the local size (vocabulary padding).
 
-    `full_size` is the real extent of `dim` (e.g. the vocabulary); rows beyond it
-    up to world * local size are padding, initialised to zero and never used.
+    Because the real rows follow torch.chunk, a rank's real rows are exactly a
+    DTensor Shard(dim) piece of the global tensor - what checkpoints save.
     """
 
     dim: int
     rank: int
     world: int
     full_size: int
+
+    def real_range(self) -> tuple[int, int]:
+        """(global start, number of real rows) of this rank's piece."""
+        chunk = -(-self.full_size // self.world)
+        start = min(self.rank * chunk, self.full_size)
+        return start, min(chunk, self.full_size - start)
 
 
 SHARD_ATTR = "tricorn_shard"
@@ -78,11 +86,9 @@ def init_weights(model: nn.Module, seed: int, std: float, num_layers: int) -> No
             continue
         full = full_value(key, global_shape(p), p_std, seed, p.device)
         info = shard_info(p)
-        if info is not None:
-            padded = info.world * p.shape[info.dim]
-            if padded > info.full_size:
-                pad_shape = list(full.shape)
-                pad_shape[info.dim] = padded - info.full_size
-                full = torch.cat([full, full.new_zeros(pad_shape)], dim=info.dim)
-            full = full.chunk(info.world, dim=info.dim)[info.rank]
-        p.copy_(full)
+        if info is None:
+            p.copy_(full)
+            continue
+        start, count = info.real_range()
+        p.zero_()
+        p.narrow(info.dim, 0, count).copy_(full.narrow(info.dim, start, count))

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tricorn.config import Config
-from tricorn.model.init import SHARD_ATTR, ShardInfo
+from tricorn.model.init import SHARD_ATTR, ShardInfo, shard_info
 from tricorn.model.spec import HeadLinear, LayerSpec, make_norm
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
@@ -218,23 +218,22 @@ class RowParallelLinear(_TPBase):
 
 
 class VocabParallelEmbedding(_TPBase):
-    """Rows [rank*V/tp, (rank+1)*V/tp) of the (padded) vocabulary on each TP rank."""
+    """Rows [rank*c, rank*c + real) of the vocabulary, c = ceil(V/tp), zero-padded to V_padded/tp rows."""
 
     def __init__(
         self, num_embeddings: int, dim: int, scatter_output: bool = False, *, group, sequence_parallel: bool, vocab_size: int
     ):
         super().__init__(group, sequence_parallel)
-        self.per_rank = num_embeddings // self.tp
-        self.start = dist.get_rank(group) * self.per_rank
         self.scatter_output = scatter_output and sequence_parallel
-        self.weight = _mark(nn.Parameter(torch.empty(self.per_rank, dim)), 0, group, vocab_size)
+        self.weight = _mark(nn.Parameter(torch.empty(num_embeddings // self.tp, dim)), 0, group, vocab_size)
+        self.start, self.real = shard_info(self.weight).real_range()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
             out = F.embedding(tokens, self.weight)
             return scatter_to_sequence(out, self.group) if self.scatter_output else out
         local = tokens - self.start
-        outside = (local < 0) | (local >= self.per_rank)
+        outside = (local < 0) | (local >= self.real)
         out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_scatter_to_sequence(out, self.group) if self.scatter_output else reduce_from_tp(out, self.group)
 
@@ -268,16 +267,15 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, vocab_size, group):
         logits = logits.float()
-        per_rank = logits.shape[-1]
-        start = dist.get_rank(group) * per_rank
-        columns = torch.arange(start, start + per_rank, device=logits.device)
-        logits = logits.masked_fill(columns >= vocab_size, float("-inf"))  # padding never counts
+        start, real = ShardInfo(0, dist.get_rank(group), dist.get_world_size(group), vocab_size).real_range()
+        columns = torch.arange(logits.shape[-1], device=logits.device)
+        logits = logits.masked_fill(columns >= real, float("-inf"))  # padding never counts
         max_logit = logits.max(dim=-1).values
         if dist.get_world_size(group) > 1:
             dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
         logits = logits - max_logit.unsqueeze(-1)
         local = labels - start
-        mine = (local >= 0) & (local < per_rank)
+        mine = (local >= 0) & (local < real)
         local = local.masked_fill(~mine, 0)
         target = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         exp = logits.exp()

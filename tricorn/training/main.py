@@ -40,19 +40,20 @@ def _prepare_vocab(cfg: Config) -> list[str]:
 
 def build(cfg: Config, state):
     """Model chunks, optimizer, loaders and the forward/backward function for this rank."""
-    from tricorn.model import GPTModel
     from tricorn.parallel.context import apply_context_parallel
     from tricorn.parallel.optimizer import Optimizer
+    from tricorn.parallel.pipeline.build import build_model_chunks
+    from tricorn.parallel.pipeline.executor import PipelineExecutor
     from tricorn.parallel.tensor import seed_everything, tensor_parallel_spec
     from tricorn.training.step import forward_backward_no_pipelining
 
     tracker = seed_everything(cfg.training.seed, state.pp_rank, state.tp_rank, state.device)
     spec = apply_context_parallel(tensor_parallel_spec(cfg, state.tp_group, tracker), state.cp_group, cfg.model.seq_length)
-    model = GPTModel(cfg.model, spec, padded_vocab_size=cfg.model.padded_vocab_size(state.tp_size)).to(state.device)
-    model.init_weights(cfg.training.seed)
-    chunks = [model]
+    # One chunk per virtual pipeline stage of this rank (the whole model without PP).
+    chunks = build_model_chunks(cfg, spec, state.pp_rank, state.tp_size, state.device)
     optimizer = Optimizer(cfg, state, chunks)
-    return chunks, optimizer, forward_backward_no_pipelining, tracker
+    forward_backward = PipelineExecutor(cfg, state) if state.pp_size > 1 else forward_backward_no_pipelining
+    return chunks, optimizer, forward_backward, tracker
 
 
 def build_loaders(cfg: Config, state):
@@ -76,6 +77,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = resolve_config(argv)
     from tricorn.parallel.state import destroy_parallel, init_parallel
     from tricorn.training.logging import MetricsLogger
+    from tricorn.data.errors import DataError
     from tricorn.training.loop import NaNError, Trainer
 
     state = init_parallel(cfg)
@@ -91,7 +93,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
         trainer = Trainer(cfg, state, chunks, optimizer, train_loader, valid_loader, logger, forward_backward)
         trainer.train()
-    except NaNError as e:
+    except (NaNError, DataError) as e:
         print(f"tricorn: error: {e}", file=sys.stderr)
         return 1
     finally:
