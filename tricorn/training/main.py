@@ -75,9 +75,9 @@ def build_loaders(cfg: Config, state):
 
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = resolve_config(argv)
+    from tricorn.data.errors import DataError
     from tricorn.parallel.state import destroy_parallel, init_parallel
     from tricorn.training.logging import MetricsLogger
-    from tricorn.data.errors import DataError
     from tricorn.training.loop import NaNError, Trainer
 
     state = init_parallel(cfg)
