@@ -7,6 +7,7 @@ groups, the model, the optimizer and the loaders built.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
@@ -56,6 +57,19 @@ def build(cfg: Config, state):
     return chunks, optimizer, forward_backward, tracker
 
 
+def cast_params(model, cfg: Config) -> None:
+    """--bf16/--fp16: parameters in half precision (drawn in fp32 first, so init is the same at any dtype).
+
+    Buffers (RoPE tables) stay fp32; norms, softmax and the loss compute in fp32 regardless.
+    """
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.param_dtype_name)
+    if dtype is not None:
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+
+
 def build_loaders(cfg: Config, state):
     try:
         from tricorn.data.loader import build_loaders as real
@@ -75,6 +89,12 @@ def build_loaders(cfg: Config, state):
 
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = resolve_config(argv)
+    if cfg.dry_run:  # the memory estimate of this exact config, no process group, no model
+        from tricorn.planning.estimate import format_report
+
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(format_report(cfg))
+        return 0
     from tricorn.data.errors import DataError
     from tricorn.parallel.state import destroy_parallel, init_parallel
     from tricorn.training.logging import MetricsLogger
