@@ -48,3 +48,25 @@ def test_vocab_not_divisible_by_tp(tmp_path):
     # 501 tokens: padded to 501 at TP=1 and to 502 at TP=2; padding must never change the loss.
     flags = with_flag(with_flag(BASE_FLAGS, "--vocab-size", "501"), "--make-vocab-size-divisible-by", "1")
     assert_equivalent(flags, 2, tmp_path, ["--tensor-model-parallel-size", "2"])
+
+
+def _tb_scalars(logdir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def test_tensorboard_lm_loss_tp2_equals_single_process(tmp_path):
+    """The Foundation acceptance as a user checks it: TensorBoard `lm loss` for iterations 1-5."""
+    from harness import run_layout
+
+    run_layout(BASE_FLAGS + ["--tensorboard-dir", str(tmp_path / "tb1")], 1, tmp_path / "one")
+    run_layout(
+        BASE_FLAGS + ["--tensorboard-dir", str(tmp_path / "tb2"), "--tensor-model-parallel-size", "2"], 2, tmp_path / "two"
+    )
+    one, two = _tb_scalars(tmp_path / "tb1", "lm loss"), _tb_scalars(tmp_path / "tb2", "lm loss")
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4, 5]
+    for step in one:  # TB stores float32: compare at float32 resolution
+        assert abs(one[step] - two[step]) <= 1e-5 * abs(one[step]), (step, one[step], two[step])
