@@ -515,6 +515,13 @@ def validate(cfg: Config) -> list[str]:
         errs.append("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model FILE.model")
     if m.transformer_impl == "transformer_engine" and cfg.device != "cuda":
         errs.append("--transformer-impl transformer_engine needs --device cuda (Transformer Engine has no CPU path)")
+    if m.transformer_impl == "transformer_engine" and cfg.device == "cuda":
+        from tricorn.parallel.te import TransformerEngineUnavailable, import_te
+
+        try:
+            import_te()
+        except TransformerEngineUnavailable as e:
+            errs.append(str(e))
     if t.fp8_format and m.transformer_impl != "transformer_engine":
         errs.append("--fp8-format needs --transformer-impl transformer_engine")
     if not errs:
@@ -529,9 +536,7 @@ def validate(cfg: Config) -> list[str]:
 
 def _validate_unsupported(cfg: Config) -> list[str]:
     """Combinations that are refused until the feature lands (each refusal names the flag)."""
-    errs = []
-    if cfg.parallel.pipeline_model_parallel_size > 1:
-        errs.append("--pipeline-model-parallel-size > 1 is not wired into the trainer yet")
+    errs: list[str] = []
     return errs
 
 
