@@ -439,8 +439,10 @@ def _buffers(model: ModelConfig, layout: Layout, stage_params: int) -> float:
     return total
 
 
-def estimate(model: ModelConfig, layout: Layout, profile: ActivationProfile = TRICORN) -> MemoryEstimate:
-    """Per-rank memory of every pipeline stage; returns the worst one (ties: the first stage)."""
+def estimate(
+    model: ModelConfig, layout: Layout, profile: ActivationProfile = TRICORN, stages: Optional[tuple[int, ...]] = None
+) -> MemoryEstimate:
+    """Per-rank memory of every pipeline stage (or only ``stages``); returns the worst one (ties: the first)."""
     if model.vocab_size is None:
         raise ValueError("the vocabulary size is unknown: pass --vocab-size N (or --tokenizer-model FILE)")
     p_b, g_b, m_b, o_b = bytes_per_param(layout.precision, layout.grads_16bit)
@@ -449,6 +451,8 @@ def estimate(model: ModelConfig, layout: Layout, profile: ActivationProfile = TR
     best: Optional[MemoryEstimate] = None
     totals = []
     for stage, n_layers in enumerate(layers):
+        if stages is not None and stage not in stages:
+            continue
         n_params = stage_params_per_rank(model, layout, stage, n_layers)
         state = model_state_bytes(
             n_params,

@@ -1,0 +1,432 @@
+"""`tricorn plan`: enumerate parallel layouts for a cluster, keep those that fit, rank them by predicted step time.
+
+    tricorn plan --model-preset llama2-70b --gpus 64 --gpu-type h100-80gb --seq-length 4096 --global-batch-size 1024
+    tricorn plan ... --json | --max-model | --emit-sbatch scripts/slurm/llama2-70b.sbatch
+
+Enumerated: TP (a divisor of the GPUs per node that divides the heads, key/value groups and ffn width), CP
+(1, 2, 4, 8 for sequences of CP_MIN_SEQ tokens or more, while each rank keeps >= 1024 tokens), PP (divisors of the layer count), virtual stages (when
+PP > 1 and the microbatch count divides by PP), DP (the rest; it must divide the global batch), micro batch
+(1, 2, 4, 8), recompute (none, selective, full), distributed optimizer (off, ZeRO-1, and ZeRO-2/3 when PP = 1).
+Sequence parallelism is on whenever TP > 1 (same traffic as plain TP, less memory). A layout fits when the
+memory estimator's worst rank stays under (1 - --memory-margin) of the device memory.
+
+Step-time model: see step_time.py (compute at a GEMM efficiency that falls for small matmuls, TP over NVLink,
+the pipeline bubble, DP over the network with overlap, the optimizer's HBM traffic).
+Ranked by tokens/s; ties go to the layout that uses less memory. MFU counts model FLOPs (no recompute).
+No collectives, no device work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Optional
+
+from tricorn.config import ConfigError, ModelConfig, config_from_args
+from tricorn.planning.flops import iteration_flops
+from tricorn.planning.hardware import GiB, get_gpu
+from tricorn.planning.memory import Layout, bytes_per_param, estimate, total_params
+from tricorn.planning.step_time import Cluster, step_time
+
+CP_MIN_SEQ = 8192  # below this, CP's split attention costs more than its memory saving is worth
+MICRO_BATCHES = (1, 2, 4, 8)
+RECOMPUTE = (None, "selective", "full")
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    memory_bytes: float
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    breakdown: dict
+
+    def to_dict(self) -> dict:
+        lay = self.layout
+        return dict(
+            tp=lay.tp,
+            pp=lay.pp,
+            vpp=lay.vpp,
+            cp=lay.cp,
+            dp=lay.dp,
+            micro_batch=lay.micro_batch,
+            num_microbatches=lay.num_microbatches,
+            sequence_parallel=lay.sequence_parallel,
+            recompute=lay.recompute,
+            distributed_optimizer=lay.zero_stage > 0,
+            zero_stage=lay.zero_stage,
+            memory_bytes=self.memory_bytes,
+            memory_gb=round(self.memory_bytes / GiB, 2),
+            step_time_s=self.step_time_s,
+            tokens_per_s=self.tokens_per_s,
+            tflops_per_gpu=self.tflops_per_gpu,
+            mfu=self.mfu,
+            breakdown=self.breakdown,
+        )
+
+
+# ---------------------------------------------------------------- enumeration
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def valid_tps(model: ModelConfig, gpus_per_node: int) -> list[int]:
+    out = []
+    for tp in divisors(gpus_per_node):
+        if model.num_attention_heads % tp == 0 and model.kv_heads % tp == 0 and model.ffn_size % tp == 0:
+            out.append(tp)
+    return out
+
+
+def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16") -> Iterator[Layout]:
+    seq = model.seq_length
+    for tp in valid_tps(model, cluster.gpus_per_node):
+        for cp in (1, 2, 4, 8):
+            if cp > 1 and (seq < CP_MIN_SEQ or seq % (2 * cp) or seq // cp < 1024):
+                continue
+            for pp in divisors(model.num_layers):
+                model_ranks = tp * cp * pp
+                if cluster.gpus % model_ranks:
+                    continue
+                dp = cluster.gpus // model_ranks
+                for mb in MICRO_BATCHES:
+                    if global_batch % (mb * dp):
+                        continue
+                    m = global_batch // (mb * dp)
+                    vpps = [1] + [v for v in divisors(model.num_layers // pp)[1:] if pp > 1 and m % pp == 0 and v <= 8]
+                    zeros = (0, 1, 2, 3) if pp == 1 else (0, 1)
+                    for vpp in vpps:
+                        for recompute in RECOMPUTE:
+                            for zero in zeros if dp * cp > 1 else (0,):
+                                yield Layout(
+                                    tp=tp,
+                                    pp=pp,
+                                    cp=cp,
+                                    dp=dp,
+                                    vpp=vpp,
+                                    micro_batch=mb,
+                                    num_microbatches=m,
+                                    sequence_parallel=tp > 1,
+                                    recompute=recompute,
+                                    zero_stage=zero,
+                                    precision=precision,
+                                )
+
+
+def worst_memory(model: ModelConfig, layout: Layout) -> float:
+    # Equal stages: the first (most microbatches in flight, embedding) or the last (logits) is the worst.
+    return estimate(model, layout, stages=(0, layout.pp - 1)).total_bytes
+
+
+# ---------------------------------------------------------------- planning
+
+
+@dataclass
+class PlanResult:
+    plans: list[Plan]  # the top k
+    considered: int  # layouts that satisfied every divisibility rule
+    fitting: int
+    leanest: Optional[tuple[Layout, float]]  # the layout needing least memory among those that did not fit
+
+
+def plan(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16", top_k: int = 5) -> PlanResult:
+    flops = iteration_flops(model, global_batch, vocab_size=model.padded_vocab_size(1))
+    fits: list[Plan] = []
+    considered, leanest = 0, None
+    for lay in enumerate_layouts(model, cluster, global_batch, precision):
+        considered += 1
+        mem = worst_memory(model, lay)
+        if mem > cluster.usable_bytes:
+            if leanest is None or mem < leanest[1]:
+                leanest = (lay, mem)
+            continue
+        t, breakdown = step_time(model, lay, cluster, global_batch)
+        tflops = flops.model / t / cluster.gpus / 1e12
+        fits.append(Plan(lay, mem, t, global_batch * model.seq_length / t, tflops, tflops / cluster.peak_tflops, breakdown))
+    fits.sort(key=lambda p: (p.step_time_s, p.memory_bytes))
+    return PlanResult(fits[:top_k], considered, len(fits), leanest)
+
+
+def lean_fit(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16") -> Optional[tuple[Layout, float]]:
+    """Some layout on at most ``cluster.gpus`` GPUs that fits, searching only the memory-lean corner.
+
+    Full recompute, micro batch 1, ZeRO-3 without PP or ZeRO-1 with PP in (2, 4, 8), every TP and every DP
+    that divides the global batch. The candidate set only grows with the GPU count, so fitting is monotone.
+    """
+    pps = [pp for pp in (1, 2, 4, 8) if model.num_layers % pp == 0]
+    dps = sorted(divisors(global_batch), reverse=True)
+    for tp in sorted(valid_tps(model, cluster.gpus_per_node), reverse=True):
+        for pp in pps:
+            for dp in dps:
+                if tp * pp * dp > cluster.gpus:
+                    continue
+                zero = (3 if pp == 1 else 1) if dp > 1 else 0
+                lay = Layout(
+                    tp=tp,
+                    pp=pp,
+                    dp=dp,
+                    num_microbatches=global_batch // dp,
+                    sequence_parallel=tp > 1,
+                    recompute="full",
+                    zero_stage=zero,
+                    precision=precision,
+                )
+                mem = worst_memory(model, lay)
+                if mem <= cluster.usable_bytes:
+                    return lay, mem
+    return None
+
+
+def family_member(base: ModelConfig, hidden: int, layers: int) -> ModelConfig:
+    """The preset's family at another size: same head dim, key/value groups, ffn ratio (rounded to 256), vocab."""
+    heads = hidden // base.head_dim
+    kv = min(base.kv_heads, heads) if base.group_query_attention else heads
+    ffn = int(round(base.ffn_size / base.hidden_size * hidden / 256)) * 256
+    return dataclasses.replace(
+        base,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_query_groups=kv if base.group_query_attention else None,
+        ffn_hidden_size=ffn,
+    )
+
+
+def max_model(base: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16") -> Optional[dict]:
+    """Largest member of ``base``'s family (layers in steps of 8, hidden in steps of 1024) that fits."""
+    best: Optional[dict] = None
+    for hidden in range(1024, 65536 + 1, 1024):
+        if hidden % base.head_dim:
+            continue
+        lo, hi = 0, 512 // 8  # layers = 8 * k; fitting shrinks as k grows
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if lean_fit(family_member(base, hidden, 8 * mid), cluster, global_batch, precision):
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo == 0:
+            break  # a wider model will not fit either
+        model = family_member(base, hidden, 8 * lo)
+        n = total_params(model)
+        if best is None or n > best["params"]:
+            lay, mem = lean_fit(model, cluster, global_batch, precision)  # type: ignore[misc]
+            best = dict(
+                num_layers=model.num_layers,
+                hidden_size=hidden,
+                num_attention_heads=model.num_attention_heads,
+                num_query_groups=model.kv_heads,
+                ffn_hidden_size=model.ffn_size,
+                params=n,
+                layout=dict(tp=lay.tp, pp=lay.pp, dp=lay.dp, zero_stage=lay.zero_stage, recompute="full", micro_batch=1),
+                memory_gb=round(mem / GiB, 2),
+                gpus_used=lay.world_size,
+            )
+    return best
+
+
+def min_gpus(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str, limit: int = 65536) -> Optional[int]:
+    n = 1
+    while n <= limit:
+        if lean_fit(model, dataclasses.replace(cluster, gpus=n), global_batch, precision):
+            return n
+        n *= 2
+    return None
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tricorn plan", add_help=False)
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job.")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (TP stays within a node).")
+    p.add_argument("--gpu-type", default="h100-80gb", help="a100-80gb | h100-80gb | h200-141gb.")
+    p.add_argument("--memory-margin", type=float, default=0.10, help="Fraction of device memory kept free (default 0.10).")
+    p.add_argument("--top-k", type=int, default=5, help="Layouts to print.")
+    p.add_argument("--json", action="store_true", help="Print a JSON list of records.")
+    p.add_argument("--max-model", action="store_true", help="Largest model of the preset's family that fits.")
+    p.add_argument("--emit-sbatch", metavar="FILE", help="Write an sbatch script for the top layout.")
+    p.add_argument("--time", default="24:00:00", help="Time limit of each job in the sbatch script.")
+    p.add_argument("--train-tokens", type=float, default=1e12, help="Tokens to train on (sets --train-iters).")
+    p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _layout_text(lay: Layout) -> str:
+    zero = f"ZeRO-{lay.zero_stage}" if lay.zero_stage else "no distributed optimizer"
+    return (
+        f"TP {lay.tp}, PP {lay.pp}, VPP {lay.vpp}, CP {lay.cp}, DP {lay.dp}, micro batch {lay.micro_batch}, "
+        f"{zero}, recompute {lay.recompute or 'none'}"
+    )
+
+
+def explain_impossible(
+    model: ModelConfig, name: str, cluster: Cluster, global_batch: int, result: PlanResult, precision: str
+) -> str:
+    head = f"{name} does not fit on {cluster.gpus} x {cluster.gpu.name}"
+    if result.considered == 0:
+        return (
+            f"{head}: no layout divides evenly - the global batch {global_batch} must be divisible by the data-parallel size "
+            f"and the micro batch, and --gpus {cluster.gpus} by TP x PP x CP; try a global batch that is a multiple of "
+            f"{cluster.gpus} or a GPU count that is a power of two"
+        )
+    lay, mem = result.leanest  # type: ignore[misc]
+    p_b, g_b, m_b, o_b = bytes_per_param(precision)
+    n = total_params(model)
+    state_gib = n * (p_b + g_b + m_b + o_b) / GiB
+    need = min_gpus(model, cluster, global_batch, precision)
+    more = f"it needs at least {need} GPUs of this type (--gpus {need})" if need else "no GPU count up to 65536 fits it"
+    return (
+        f"{head}: the leanest layout ({_layout_text(lay)}) needs {mem / GiB:.1f} GiB per GPU and "
+        f"{cluster.usable_bytes / GiB:.1f} GiB are usable ({cluster.gpu.memory_gb:.1f} GiB less the "
+        f"{cluster.memory_margin:.0%} margin); its model state alone is {state_gib:.0f} GiB "
+        f"({n / 1e9:.1f} B parameters x {p_b + g_b + m_b + o_b} bytes) before sharding; {more}"
+    )
+
+
+def _table(plans: list[Plan]) -> str:
+    head = " #  TP PP VPP CP  DP  mb  recompute  ZeRO   mem/GPU   step s   tokens/s  TFLOP/s/GPU    MFU"
+    rows = [head]
+    for i, p in enumerate(plans, 1):
+        lay = p.layout
+        rows.append(
+            f"{i:2d} {lay.tp:3d} {lay.pp:2d} {lay.vpp:3d} {lay.cp:2d} {lay.dp:3d} {lay.micro_batch:3d}  "
+            f"{lay.recompute or 'none':<9} {lay.zero_stage:5d} {p.memory_bytes / GiB:6.1f} GiB {p.step_time_s:8.2f} "
+            f"{p.tokens_per_s:10.0f} {p.tflops_per_gpu:12.0f} {p.mfu:6.1%}"
+        )
+    return "\n".join(rows)
+
+
+def _emit(path: str, name: str, model: ModelConfig, top: Plan, cluster: Cluster, argv: list[str], args, gbs: int) -> None:
+    from tricorn.planning import sbatch
+
+    n = total_params(model)
+    preset_args = ["--model-preset", name] if name in _presets() else _model_args(model)
+    train = preset_args + ["--seq-length", str(model.seq_length)] + sbatch.layout_args(top.layout, gbs)
+    train += sbatch.llama_hyperparameters(n, gbs * model.seq_length, args.train_tokens)
+    save_every = max(10, int(1800 / top.step_time_s) // 10 * 10)  # about every 30 minutes
+    train += ["--save-interval", str(save_every), "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "10"]
+    job = sbatch.SbatchJob(
+        job_name=f"tricorn-{name}",
+        nodes=max(1, cluster.gpus // cluster.gpus_per_node),
+        tasks_per_node=min(cluster.gpus, cluster.gpus_per_node),
+        gpus_per_node=min(cluster.gpus, cluster.gpus_per_node),
+        time=args.time,
+        train_args=train,
+        comments=[
+            "Generated by: tricorn plan " + " ".join(_canonical(argv)),
+            f"Layout: {_layout_text(top.layout)}",
+            f"Predicted by tricorn's step-time model: {top.memory_bytes / GiB:.1f} GiB per GPU, {top.step_time_s:.1f} s per "
+            f"iteration, {top.tokens_per_s:,.0f} tokens/s, {top.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {top.mfu:.1%}",
+        ],
+    )
+    sbatch.write_script(path, sbatch.render(job))
+
+
+def _canonical(argv: list[str]) -> list[str]:
+    """The command line without where the script went, so regenerating it anywhere gives the same text."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--emit-sbatch":
+            skip = True
+        elif a != "--quiet" and not a.startswith("--emit-sbatch="):
+            out.append(a)
+    return out + ["--emit-sbatch", "FILE"]
+
+
+def _presets() -> dict:
+    from tricorn.config import PRESETS
+
+    return PRESETS
+
+
+def _model_args(model: ModelConfig) -> list[str]:
+    args = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size)]
+    args += ["--ffn-hidden-size", str(model.ffn_size), "--num-attention-heads", str(model.num_attention_heads)]
+    if model.group_query_attention:
+        args += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
+    for flag in ("swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights"):
+        if getattr(model, flag):
+            args.append("--" + flag.replace("_", "-"))
+    return args + ["--normalization", model.normalization, "--vocab-size", str(model.vocab_size)]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(
+            _parser().format_help() + "\nModel flags: --model-preset NAME or pretrain_gpt.py's model flags; "
+            "--seq-length, --global-batch-size; --fp16 or --fp8-format (default bf16); --peak-tflops."
+        )
+        return 0
+    try:
+        args, rest = _parser().parse_known_args(argv)
+        cfg = config_from_args(rest, world_size=args.gpus)
+        gpu = get_gpu(args.gpu_type)
+        model = cfg.model
+        if model.vocab_size is None:
+            raise ConfigError("the vocabulary size is unknown: pass --vocab-size N")
+        if args.gpus < 1 or args.gpus_per_node < 1:
+            raise ConfigError("--gpus and --gpus-per-node must be at least 1")
+        gbs = cfg.training.global_batch_size if "--global-batch-size" in rest else None
+        if gbs is None:
+            raise ConfigError("pass --global-batch-size (samples per iteration)")
+        precision = "fp16" if cfg.training.fp16 else "bf16"
+        peak = cfg.logging.peak_tflops or gpu.peak_tflops("fp8" if cfg.training.fp8_format else precision)
+        cluster = Cluster(args.gpus, args.gpus_per_node, gpu, peak, args.memory_margin)
+    except (ConfigError, ValueError) as e:
+        print(f"tricorn plan: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # argparse already printed the problem
+        return int(e.code or 2)
+    name = cfg.model_preset or f"{model.num_layers}x{model.hidden_size}"
+    if args.max_model:
+        best = max_model(model, cluster, gbs, precision)
+        if args.json:
+            print(json.dumps(best, indent=2))
+        elif best is None:
+            print(f"tricorn plan: no model of the {name} family fits {args.gpus} x {gpu.name} at global batch {gbs}")
+        else:
+            lay = best["layout"]
+            print(
+                f"largest {name}-family model on {args.gpus} x {gpu.name} at seq {model.seq_length}, global batch {gbs}: "
+                f"{best['num_layers']} layers x hidden {best['hidden_size']} ({best['num_attention_heads']} heads, "
+                f"{best['num_query_groups']} kv groups, ffn {best['ffn_hidden_size']}) = {best['params'] / 1e9:.1f} B parameters\n"
+                f"  fits with TP {lay['tp']}, PP {lay['pp']}, DP {lay['dp']}, "
+                f"{'ZeRO-' + str(lay['zero_stage']) if lay['zero_stage'] else 'no distributed optimizer'}, full recompute, "
+                f"micro batch 1: {best['memory_gb']} GiB per GPU on {best['gpus_used']} GPUs"
+            )
+        return 0 if best is not None else 1
+    result = plan(model, cluster, gbs, precision, args.top_k)
+    if not result.plans:
+        print(f"tricorn plan: {explain_impossible(model, name, cluster, gbs, result, precision)}", file=sys.stderr)
+        if args.json:
+            print("[]")
+        return 1
+    if args.emit_sbatch:
+        _emit(args.emit_sbatch, name, model, result.plans[0], cluster, argv, args, gbs)
+    if args.quiet:
+        return 0
+    if args.json:
+        print(json.dumps([p.to_dict() for p in result.plans], indent=2))
+        return 0
+    print(
+        f"{name}: {total_params(model) / 1e9:.2f} B parameters, seq {model.seq_length}, global batch {gbs}, {precision} on "
+        f"{args.gpus} x {gpu.name} ({args.gpus_per_node} per node), {cluster.usable_bytes / GiB:.1f} GiB usable per GPU\n"
+        f"{result.considered} layouts considered, {result.fitting} fit; top {len(result.plans)} by predicted tokens/s:\n"
+        + _table(result.plans)
+    )
+    if args.emit_sbatch:
+        print(f"wrote {args.emit_sbatch} for layout 1")
+    return 0

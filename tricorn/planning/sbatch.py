@@ -1,0 +1,278 @@
+"""sbatch scripts for a planned layout: `tricorn plan ... --emit-sbatch FILE`, and the checked-in scripts/slurm/.
+
+The script (see scripts/slurm/README.md):
+- asks SLURM for whole nodes, one task per GPU, requeue on preemption/timeout, and USR1 to the batch shell
+  180 s before the time limit (``--signal=B:USR1@180``); output appends across requeues;
+- runs ``srun pretrain_gpt.py`` in the background; each task reads RANK / WORLD_SIZE / LOCAL_RANK from
+  SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, MASTER_ADDR is the first host of the allocation;
+- traps USR1 and forwards it to srun, whose tasks (``--exit-signal-handler --exit-signal SIGUSR1``) save a
+  checkpoint and exit 0; the script then requeues the job, which resumes from the same --save/--load dir;
+- writes TensorBoard events and per-rank logs under the run directory, one subdirectory per job.
+
+``python -m tricorn.planning.sbatch --regenerate`` rewrites scripts/slurm/*.sbatch from ``CHECKED_IN``.
+No collectives, no device work.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+# name -> (nodes, seq length, global batch): ~4M tokens per batch on 8 x H100 80GB nodes (Llama 2's recipe).
+CHECKED_IN: dict[str, tuple[int, int, int]] = {
+    "llama2-7b": (1, 4096, 1024),
+    "llama3-8b": (1, 8192, 512),
+    "llama2-13b": (2, 4096, 1024),
+    "codellama-34b": (4, 16384, 256),
+    "llama2-70b": (8, 4096, 1024),
+    "llama3-70b": (8, 8192, 512),
+}
+SLURM_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "slurm")
+
+
+def checked_in_argv(name: str) -> list[str]:
+    """The `tricorn plan` command line that generates scripts/slurm/NAME.sbatch."""
+    nodes, seq, gbs = CHECKED_IN[name]
+    return [
+        "--model-preset",
+        name,
+        "--gpus",
+        str(8 * nodes),
+        "--gpus-per-node",
+        "8",
+        "--gpu-type",
+        "h100-80gb",
+        "--seq-length",
+        str(seq),
+        "--global-batch-size",
+        str(gbs),
+    ]
+
+
+@dataclass
+class SbatchJob:
+    job_name: str
+    nodes: int
+    tasks_per_node: int
+    train_args: list[str]  # pretrain_gpt.py flags for model, layout and schedule (not paths, not data)
+    gpus_per_node: int = 8  # 0: a CPU job
+    time: str = "24:00:00"
+    signal_seconds: int = 180
+    exclusive: bool = True
+    comments: list[str] = field(default_factory=list)
+    device: str = "cuda"
+    partition: Optional[str] = None
+
+
+def _wrap_args(args: list[str]) -> str:
+    """One flag (with its values) per line of the bash array."""
+    lines, current = [], []
+    for a in args:
+        if a.startswith("--") and current:
+            lines.append(" ".join(current))
+            current = []
+        current.append(shlex.quote(a))
+    if current:
+        lines.append(" ".join(current))
+    return "\n".join(f"    {line}" for line in lines)
+
+
+def render(job: SbatchJob) -> str:
+    sb = [
+        f"#SBATCH --job-name={job.job_name}",
+        f"#SBATCH --nodes={job.nodes}",
+        f"#SBATCH --ntasks-per-node={job.tasks_per_node}",
+    ]
+    if job.gpus_per_node:
+        sb.append(f"#SBATCH --gpus-per-node={job.gpus_per_node}")
+    if job.exclusive:
+        sb.append("#SBATCH --exclusive")
+    if job.partition:
+        sb.append(f"#SBATCH --partition={job.partition}")
+    sb += [
+        f"#SBATCH --time={job.time}",
+        "#SBATCH --requeue",
+        f"#SBATCH --signal=B:USR1@{job.signal_seconds}",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --output=%x-%j.out",
+    ]
+    comments = "\n".join(f"# {c}" if c else "#" for c in job.comments)
+    env = (
+        "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}"
+        if job.device == "cpu"
+        else _NCCL_BLOCK + "\nexport OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}"
+    )
+    return _TEMPLATE.format(
+        sbatch="\n".join(sb),
+        comments=comments,
+        env=env,
+        train_args=_wrap_args(job.train_args),
+        device_arg="" if job.device == "cuda" else f"\n    --device {job.device}",
+    )
+
+
+_NCCL_BLOCK = """\
+# NCCL: set what your fabric needs (run once with NCCL_DEBUG=INFO to see what NCCL picked).
+#   NCCL_SOCKET_IFNAME=ib0         interface for NCCL's bootstrap and socket fallback (not docker0/lo)
+#   NCCL_IB_HCA=mlx5_0,mlx5_1,...  InfiniBand adapters, one per GPU on rail-optimised nodes
+#   NCCL_IB_TIMEOUT=22             longer InfiniBand timeout on large or busy fabrics
+#   NCCL_NVLS_ENABLE=0             turn NVLink SHARP off where the fabric manager does not support it
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# A failed or stuck collective raises after --distributed-timeout-minutes instead of hanging the job.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+# One hardware queue per device keeps TP/SP communication kernels in issue order with the compute (Megatron).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}"""
+
+_TEMPLATE = """\
+#!/bin/bash
+{sbatch}
+{comments}
+#
+# Submit from the tricorn checkout: DATA_PATH=/data/my-corpus_text_document TOKENIZER_MODEL=/data/tok.model sbatch THIS
+# Or DATA_ARGS="--mock-data --vocab-size 32000" for a smoke test. See scripts/slurm/README.md.
+set -euo pipefail
+
+TRICORN_DIR=${{TRICORN_DIR:-$SLURM_SUBMIT_DIR}}
+PYTHON=${{PYTHON:-python}}
+RUN_DIR=${{RUN_DIR:-$TRICORN_DIR/runs/$SLURM_JOB_NAME}}
+CKPT_DIR=$RUN_DIR/checkpoints            # --save and --load: a requeued job resumes from here
+TB_DIR=$RUN_DIR/tensorboard/$SLURM_JOB_ID
+LOG_DIR=$RUN_DIR/logs/$SLURM_JOB_ID
+mkdir -p "$CKPT_DIR" "$TB_DIR" "$LOG_DIR"
+
+if [[ -z ${{DATA_ARGS:-}} ]]; then
+    : "${{DATA_PATH:?set DATA_PATH to a preprocessed prefix (tricorn preprocess), or DATA_ARGS}}"
+    : "${{TOKENIZER_MODEL:?set TOKENIZER_MODEL to the sentencepiece .model file}}"
+    DATA_ARGS="--data-path $DATA_PATH --tokenizer-type SentencePieceTokenizer --tokenizer-model $TOKENIZER_MODEL"
+fi
+read -r -a DATA_ARRAY <<<"$DATA_ARGS"
+read -r -a EXTRA_ARRAY <<<"${{EXTRA_ARGS:-}}"
+
+# Rendezvous: rank 0 runs on the first node; every task derives its rank from SLURM_PROCID/NTASKS/LOCALID.
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+MASTER_PORT=${{MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
+export MASTER_ADDR MASTER_PORT
+{env}
+
+ARGS=(
+{train_args}{device_arg}
+    --save "$CKPT_DIR"
+    --load "$CKPT_DIR"
+    --exit-signal-handler
+    --exit-signal SIGUSR1
+    --tensorboard-dir "$TB_DIR"
+    --log-dir "$LOG_DIR"
+)
+
+echo "tricorn: job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST, master $MASTER_ADDR:$MASTER_PORT"
+# USR1 reaches this shell (--signal=B:USR1@...) ahead of the time limit, or from `scancel --batch --signal=USR1`.
+# Pass it to the tasks: they save a checkpoint and exit 0; then requeue so the run continues from it.
+SIGNALLED=0
+trap 'SIGNALLED=1; echo "tricorn: USR1 received, asking the trainer to save and exit"; kill -USR1 "$SRUN_PID" 2>/dev/null || true' USR1
+
+srun --kill-on-bad-exit=1 --export=ALL "$PYTHON" "$TRICORN_DIR/pretrain_gpt.py" "${{ARGS[@]}}" "${{DATA_ARRAY[@]}}" "${{EXTRA_ARRAY[@]}}" &
+SRUN_PID=$!
+set +e
+wait "$SRUN_PID"
+STATUS=$?
+while kill -0 "$SRUN_PID" 2>/dev/null; do  # a trapped signal ends `wait` early: wait for the tasks to finish
+    wait "$SRUN_PID"
+    STATUS=$?
+done
+set -e
+
+if [[ $SIGNALLED == 1 && $STATUS == 0 ]]; then
+    echo "tricorn: checkpoint saved; requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+echo "tricorn: trainer exited with status $STATUS"
+exit "$STATUS"
+"""
+
+
+def write_script(path: str, text: str) -> None:
+    """Atomic write (temp file, then rename), executable."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, path)
+
+
+def llama_hyperparameters(num_params: float, tokens_per_iteration: int, train_tokens: float = 1e12) -> list[str]:
+    """Llama 2's recipe: AdamW(0.9, 0.95, eps 1e-5), wd 0.1, clip 1.0, 2000 warm-up, cosine to 10% of the peak."""
+    lr = 1.5e-4 if num_params > 30e9 else 3e-4
+    iters = int(math.ceil(train_tokens / tokens_per_iteration))
+    return [
+        "--bf16",
+        "--train-iters",
+        str(iters),
+        "--lr",
+        f"{lr:g}",
+        "--min-lr",
+        f"{lr / 10:g}",
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        "2000",
+        "--weight-decay",
+        "0.1",
+        "--adam-beta1",
+        "0.9",
+        "--adam-beta2",
+        "0.95",
+        "--adam-eps",
+        "1e-5",
+        "--clip-grad",
+        "1.0",
+    ]
+
+
+def layout_args(layout, global_batch: int) -> list[str]:
+    """pretrain_gpt.py flags for a planner Layout."""
+    args = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp)]
+    if layout.vpp > 1:
+        args += ["--num-virtual-stages-per-pipeline-rank", str(layout.vpp)]
+    if layout.cp > 1:
+        args += ["--context-parallel-size", str(layout.cp)]
+    if layout.sequence_parallel:
+        args.append("--sequence-parallel")
+    args += ["--micro-batch-size", str(layout.micro_batch), "--global-batch-size", str(global_batch)]
+    if layout.recompute:
+        args += ["--recompute-granularity", layout.recompute]
+        if layout.recompute == "full":
+            args += ["--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    if layout.zero_stage:
+        args += ["--use-distributed-optimizer", "--overlap-param-gather"]
+        if layout.zero_stage > 1:
+            args += ["--zero-stage", str(layout.zero_stage)]
+    if layout.dp * layout.cp > 1:
+        args.append("--overlap-grad-reduce")
+    return args
+
+
+def regenerate(names: Optional[list[str]] = None) -> list[str]:
+    """Rewrite scripts/slurm/NAME.sbatch for each checked-in name; returns the paths."""
+    from tricorn.planning.planner import main as plan_main
+
+    paths = []
+    for name in names or list(CHECKED_IN):
+        path = os.path.normpath(os.path.join(SLURM_DIR, f"{name}.sbatch"))
+        if plan_main([*checked_in_argv(name), "--emit-sbatch", path, "--quiet"]) != 0:
+            raise SystemExit(f"tricorn plan failed for {name}")
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--regenerate"]:
+        print("usage: python -m tricorn.planning.sbatch --regenerate", file=sys.stderr)
+        sys.exit(2)
+    for p in regenerate():
+        print(p)
