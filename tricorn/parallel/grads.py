@@ -17,7 +17,7 @@ One all-reduce of a scalar over TP x PP (plus DP when grads are DP-sharded).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Optional
 
 import torch
@@ -31,6 +31,10 @@ from tricorn.parallel.state import ParallelState
 def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
     """The gradient the optimizer uses: fp32 `main_grad` under mixed precision, else `.grad`."""
     return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+
+
+# Which tensor holds a parameter's gradient; the distributed optimizer passes its owned (DP-sharded) views.
+GradFn = Callable[[torch.Tensor], Optional[torch.Tensor]]
 
 
 def is_tied_copy(p: torch.Tensor) -> bool:
@@ -60,30 +64,34 @@ def _all_reduce_coalesced(grads: list[torch.Tensor], group: dist.ProcessGroup) -
         offset += g.numel()
 
 
-def reduce_sequence_parallel_grads(modules: Iterable[nn.Module], state: ParallelState) -> None:
-    grads = [grad_of(p) for m in modules for p in m.parameters() if getattr(p, "sequence_parallel", False)]
+def reduce_sequence_parallel_grads(modules: Iterable[nn.Module], state: ParallelState, grad_fn: GradFn = grad_of) -> None:
+    grads = [grad_fn(p) for m in modules for p in m.parameters() if getattr(p, "sequence_parallel", False)]
     _all_reduce_coalesced([g for g in grads if g is not None], state.tp_group)
 
 
-def reduce_tied_embedding_grads(modules: Iterable[nn.Module], state: ParallelState, tied: bool) -> None:
+def reduce_tied_embedding_grads(
+    modules: Iterable[nn.Module], state: ParallelState, tied: bool, grad_fn: GradFn = grad_of
+) -> None:
     if not tied or state.embedding_group is None:
         return
     grads = []
     for m in modules:
         for name, p in m.named_parameters():
             if (is_tied_embedding(name) and state.is_first_stage) or (is_tied_copy(p) and state.is_last_stage):
-                g = grad_of(p)
+                g = grad_fn(p)
                 if g is None:  # a stage that did not use it this step still takes part
                     g = p.grad = torch.zeros_like(p)
                 grads.append(g)
     _all_reduce_coalesced(grads, state.embedding_group)
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], state: ParallelState, dp_sharded: bool = False) -> float:
+def global_grad_norm(
+    params: Iterable[torch.Tensor], state: ParallelState, dp_sharded: bool = False, grad_fn: GradFn = grad_of
+) -> float:
     """L2 norm over the whole model, every parameter counted once (see module docstring)."""
     squares = torch.zeros((), dtype=torch.float32, device=state.device)
     for p in params:
-        g = grad_of(p)
+        g = grad_fn(p)
         if g is not None and counts_for_norm(p, state):
             squares += g.float().pow(2).sum()
     dist.all_reduce(squares, group=state.mp_group)
@@ -92,9 +100,9 @@ def global_grad_norm(params: Iterable[torch.Tensor], state: ParallelState, dp_sh
     return squares.sqrt().item()
 
 
-def clip_grads(params: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> None:
+def clip_grads(params: Iterable[torch.Tensor], max_norm: float, total_norm: float, grad_fn: GradFn = grad_of) -> None:
     if max_norm <= 0 or total_norm <= max_norm or not torch.isfinite(torch.tensor(total_norm)):
         return
     coef = max_norm / (total_norm + 1e-6)
-    grads = [g for g in (grad_of(p) for p in params) if g is not None]
+    grads = [g for g in (grad_fn(p) for p in params) if g is not None]
     torch._foreach_mul_(grads, coef)

@@ -1,32 +1,62 @@
-"""The optimizer the trainer drives: gradient sync, norm, clipping, AdamW step.
+"""The optimizer the trainer drives: mixed precision, DP gradient sync, loss scaling, norm and clip, AdamW, ZeRO.
 
-This is the plain data-parallel version: fp32 parameters, one coalesced
-all-reduce (sum) of all gradients over the DP x CP group after the last
-microbatch, torch's AdamW (foreach). Memory: params + grads + 2 fp32 moments.
+Precision (Megatron style): model parameters are fp32, bf16 or fp16; gradients
+accumulate in fp32 `main_grad` buffers (bf16 with --grad-reduce-in-bf16); the
+optimizer keeps fp32 master values and steps them with torch's AdamW (foreach),
+then copies them back into the model's parameters. With fp32 parameters (and no
+offload) the parameters are their own master copy: no extra memory.
 
-Contract with the trainer (kept by every optimizer variant):
-    zero_grad(); microbatch(is_last) context around each backward; scale_loss(loss);
-    finish_grad_sync(); step() -> StepInfo; set_lr(lr); state_dict()/load_state_dict().
+Each DP bucket (data_parallel.py) gets a ShardState holding the master values
+and the two Adam moments of the elements this rank owns - the whole bucket for
+DDP, 1/DP of it with the distributed optimizer (ZeRO-1/2/3). Per parameter,
+AdamW steps a 1-D view of that flat shard, so the math is torch's and the
+state is contiguous. With --optimizer-cpu-offload the shards live in (pinned)
+host memory: gradients are copied there, the step runs on the CPU, and bucket
+by bucket the new values go back to the device (asynchronously) while the
+next bucket steps; each bucket's parameter all-gather starts right after its
+copy.
+
+One step: finish the DP reductions; all-reduce sequence-parallel gradients
+over TP and tied-embedding gradients over the embedding group (on the owned
+views); then for fp16, unscale and agree on overflow with one all-reduce over
+all ranks (a skipped step leaves parameters and state untouched); the global
+norm counts every parameter once (grads.py), summed over DP shards when
+sharded; clip; AdamW; copy back; all-gather the parameters (ZeRO-1/2).
+
+Test hook: TRICORN_TEST_INJECT_INF_AT_ITER=N (with TRICORN_TEST_INJECT_INF_RANK,
+default 0) writes an inf into one gradient element on that rank during
+iteration N's last microbatch, before any reduction. Tests use it; nothing else may.
+
+Contract with the trainer (kept by every variant):
+    zero_grad(); microbatch(is_last, chunk=c) context around each backward of model chunk c;
+    scale_loss(loss); finish_grad_sync(); step() -> StepInfo; set_lr(lr); state_dict()/load_state_dict().
+For checkpoints: gathered_params(write_back) around reading/writing parameters,
+sharded_param_state() for the per-parameter optimizer state in global coordinates.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tricorn.config import Config
-from tricorn.parallel.grads import (
-    _all_reduce_coalesced,
-    clip_grads,
-    global_grad_norm,
-    reduce_sequence_parallel_grads,
-    reduce_tied_embedding_grads,
-)
+from tricorn.parallel.data_parallel import DataParallel, dp_options
+from tricorn.parallel.grads import clip_grads, global_grad_norm, reduce_sequence_parallel_grads, reduce_tied_embedding_grads
+from tricorn.parallel.loss_scaler import build_loss_scaler
+from tricorn.parallel.shard_state import ParamShard, ShardState
 from tricorn.parallel.state import ParallelState
+from tricorn.parallel.zero3 import ParamSharder, unit_params, zero3_units
+
+INJECT_INF_AT_ITER = "TRICORN_TEST_INJECT_INF_AT_ITER"
+INJECT_INF_RANK = "TRICORN_TEST_INJECT_INF_RANK"
 
 
 @dataclass
@@ -51,45 +81,177 @@ class Optimizer:
         self.cfg = cfg
         self.state = state
         self.modules = modules
+        self.opts = dp_options(cfg)
+        self.scaler = build_loss_scaler(cfg)
+        shard_params = self.opts.stage == 3 and dist.get_world_size(state.dp_cp_group) > 1
+        self.data_parallel: list[DataParallel] = []
+        self.sharders: list[Optional[ParamSharder]] = []
+        for m in modules:
+            units = zero3_units(m) if shard_params else None
+            dp = DataParallel(m, state, self.opts, [unit_params(u, u is m) for u in units] if units else None)
+            self.data_parallel.append(dp)
+            self.sharders.append(ParamSharder(m, units, dp) if units else None)
         self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        t = cfg.training
-        self.adam = torch.optim.AdamW(
-            param_groups(modules, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, foreach=True
-        )
+        offload = cfg.parallel.optimizer_cpu_offload
+        self.shards = [ShardState(b, cfg.training, offload) for dp in self.data_parallel for b in dp.buckets]
+        self.iteration = 0  # steps taken, skipped ones included
+        self._inject_at = int(os.environ.get(INJECT_INF_AT_ITER, "0"))
+        self._inject_rank = int(os.environ.get(INJECT_INF_RANK, "0"))
+        self._step_grads: dict[int, torch.Tensor] = {}
+
+    # ------------------------------------------------------------ forward / backward
 
     def zero_grad(self) -> None:
+        for dp in self.data_parallel:
+            dp.zero_grad()
         for p in self.params:
             p.grad = None
 
     @contextlib.contextmanager
-    def microbatch(self, is_last: bool) -> Iterator[None]:
-        yield
+    def microbatch(self, is_last: bool, chunk: int = 0) -> Iterator[None]:
+        dp = self.data_parallel[chunk]
+        if is_last and self.iteration + 1 == self._inject_at and self.state.rank == self._inject_rank:
+            dp.inject_inf = True
+            self._inject_at = 0
+        with dp.microbatch(is_last):
+            yield
+        if self.sharders[chunk] is not None:
+            self.sharders[chunk].release_all()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss
+        return loss * self.scaler.scale if self.scaler is not None else loss
 
     def finish_grad_sync(self) -> None:
-        # Loss is normalised by the global token count, so DP replicas' gradients add up (sum, not mean).
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        _all_reduce_coalesced([p.grad for p in self.params], self.state.dp_cp_group)
-        reduce_sequence_parallel_grads(self.modules, self.state)
+        owned: dict[int, torch.Tensor] = {}
+        for dp in self.data_parallel:
+            dp.finish_grad_sync()
+            owned.update(dp.owned_grads())
+        # Linear reductions commute with the DP one, and TP peers (and, for the tied embedding, the two
+        # stages) own identical ranges, so reducing only the owned views is exact and moves 1/DP of the bytes.
+        reduce_sequence_parallel_grads(self.modules, self.state, grad_fn=lambda p: owned.get(id(p)))
         tied = not self.cfg.model.untie_embeddings_and_output_weights
-        reduce_tied_embedding_grads(self.modules, self.state, tied)
+        reduce_tied_embedding_grads(self.modules, self.state, tied, grad_fn=lambda p: owned.get(id(p)))
+
+    # ------------------------------------------------------------ step
 
     def step(self) -> StepInfo:
-        norm = global_grad_norm(self.params, self.state)
-        clip_grads(self.params, self.cfg.training.clip_grad, norm)
-        self.adam.step()
-        return StepInfo(grad_norm=norm)
+        self.iteration += 1
+        grads = [s.grads_for_step() for s in self.shards]
+        if any(s.offloaded for s in self.shards) and self.state.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the device-to-host gradient copies have landed
+        self._step_grads = {id(p): g[lo:hi] for s, g in zip(self.shards, grads) for p, lo, hi, _ in s.entries}
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.scaler is not None:
+            found_inf = self._unscale_and_check(grads, 1.0 / scale)
+            self.scaler.update(found_inf)
+            if found_inf:
+                self._after_step()
+                return StepInfo(grad_norm=float("nan"), skipped=True, loss_scale=scale)
+        grad_fn = self._step_grad
+        norm = global_grad_norm(self.params, self.state, dp_sharded=self.opts.distributed, grad_fn=grad_fn)
+        if not math.isfinite(norm) and self.cfg.training.check_for_nan_in_loss_and_grad:
+            self._after_step()  # the trainer stops on this norm; the state is never poisoned
+            return StepInfo(grad_norm=norm, loss_scale=scale)
+        clip_grads(self.params, self.cfg.training.clip_grad, norm, grad_fn=grad_fn)
+        gather = self.opts.stage in (1, 2)
+        for s, g in zip(self.shards, grads):
+            s.step(g)
+            if gather:
+                s.bucket.start_param_gather()
+        if not self.opts.overlap_param_gather:
+            self.finish_param_sync()
+        self._after_step()
+        return StepInfo(grad_norm=norm, loss_scale=scale)
+
+    def _step_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        return self._step_grads.get(id(p))
+
+    def _unscale_and_check(self, grads: list[torch.Tensor], inv_scale: float) -> bool:
+        """Unscale in place; True when any gradient on any rank (TP, PP, DP) is inf/nan."""
+        device = grads[0].device if grads else self.state.device
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), inv_scale, device=device))
+        found = found.to(self.state.device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return bool(found.item() > 0)
+
+    def _after_step(self) -> None:
+        self._step_grads = {}
+        for sharder in self.sharders:
+            if sharder is not None:
+                sharder.release_all()  # gathered copies are stale now
 
     def set_lr(self, lr: float) -> None:
-        for group in self.adam.param_groups:
-            group["lr"] = lr
+        for s in self.shards:
+            s.set_lr(lr)
+
+    # ------------------------------------------------------------ parameters for other readers
+
+    def finish_param_sync(self) -> None:
+        """Wait for the parameter all-gathers of the last step (they overlap the next forward otherwise)."""
+        for dp in self.data_parallel:
+            dp.finish_param_gather()
+
+    @contextlib.contextmanager
+    def gathered_params(self, write_back: bool = False) -> Iterator[None]:
+        """Full, current parameters inside the block (ZeRO-3 gathers them). With `write_back`, values
+        written into the parameters (a checkpoint load) become the optimizer's master values too."""
+        self.finish_param_sync()
+        with contextlib.ExitStack() as stack:
+            for sharder in self.sharders:
+                if sharder is not None:
+                    stack.enter_context(sharder.gathered(write_back))
+            yield
+        if write_back:
+            self.sync_master_from_params()
+
+    def sync_master_from_params(self) -> None:
+        for s in self.shards:
+            s.sync_from_params()
+
+    # ------------------------------------------------------------ state
+
+    def sharded_param_state(self) -> list[ParamShard]:
+        """Per parameter: the element range of p.view(-1) this rank owns, with its master and Adam views."""
+        names = {id(p): (c, n) for c, m in enumerate(self.modules) for n, p in m.named_parameters()}
+        return [shard for s in self.shards for shard in s.param_shards(names)]
 
     def state_dict(self) -> dict:
-        return self.adam.state_dict()
+        """This rank's state, for a resume on the same layout (the checkpoint reshards via sharded_param_state)."""
+        self.finish_param_sync()
+        return {
+            "iteration": self.iteration,
+            "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "shards": [s.state_dict() for s in self.shards],
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self.adam.load_state_dict(state)
+        if len(state["shards"]) != len(self.shards):
+            raise ValueError(
+                f"optimizer state has {len(state['shards'])} buckets, this layout has {len(self.shards)}; "
+                "load it through the checkpoint's resharding path (sharded_param_state)"
+            )
+        for s, saved in zip(self.shards, state["shards"]):
+            s.load_state_dict(saved)
+        self.iteration = int(state["iteration"])
+        if self.scaler is not None and state.get("loss_scaler"):
+            self.scaler.load_state_dict(state["loss_scaler"])
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every tensor this rank holds for the model state, by category (memory_report.py counts storages)."""
+        out: dict[str, list[torch.Tensor]] = {
+            "params": list(self.params),
+            "grads": [],
+            "master_params": [],
+            "optimizer_state": [],
+        }
+        out["grads"] += [p.grad for p in self.params if p.grad is not None]
+        for dp in self.data_parallel:
+            for b in dp.buckets:
+                out["params"] += [b.param_flat] + ([b.param_shard] if b.param_shard is not None else [])
+                out["grads"] += [t for t in (b.grad_flat, b.grad_shard) if t is not None]
+        for s in self.shards:
+            for key, tensors in s.memory_tensors().items():
+                out[key] += tensors
+        return out

@@ -52,6 +52,8 @@ def build(cfg: Config, state):
     spec = apply_context_parallel(tensor_parallel_spec(cfg, state.tp_group, tracker), state.cp_group, cfg.model.seq_length)
     # One chunk per virtual pipeline stage of this rank (the whole model without PP).
     chunks = build_model_chunks(cfg, spec, state.pp_rank, state.tp_size, state.device)
+    for chunk in chunks:
+        cast_params(chunk, cfg)
     optimizer = Optimizer(cfg, state, chunks)
     forward_backward = PipelineExecutor(cfg, state) if state.pp_size > 1 else forward_backward_no_pipelining
     return chunks, optimizer, forward_backward, tracker

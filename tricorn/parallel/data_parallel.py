@@ -1,0 +1,380 @@
+"""Data parallelism: parameters and gradients in contiguous bucketed buffers, reduced while backward runs.
+
+Per model chunk, the trainable parameters are packed in reverse registration
+order (roughly the order backward produces their gradients) into buckets of
+about --ddp-bucket-size elements, one dtype per bucket. Each parameter becomes
+a view of its bucket's flat parameter storage. A post-accumulate-grad hook adds
+each gradient into fp32 (or, with --grad-reduce-in-bf16, bf16) gradient
+storage and marks the parameter ready; once every parameter of a bucket is
+ready, the bucket's reduction may start (asynchronously, in bucket order, so all
+ranks issue the same collectives in the same order).
+
+Stages (Megatron's DDP + distributed optimizer, and ZeRO-2/3):
+
+  0  DDP. `p.main_grad` views one contiguous gradient buffer; gradients
+     accumulate locally over microbatches (no communication), and on the last
+     microbatch each bucket is all-reduced (sum) over DP x CP - during backward
+     with --overlap-grad-reduce, otherwise after it. Memory: params + grads.
+  1  Distributed optimizer (ZeRO-1). Buckets are padded to a multiple of the
+     DP x CP size; rank r owns the r-th contiguous shard of every bucket. The
+     gradient reduction is a reduce-scatter (the owned shard receives the sum);
+     after the optimizer step each bucket's parameters are all-gathered from
+     the owners - asynchronously with --overlap-param-gather, each module's
+     forward pre-hook waiting only for the buckets that hold its parameters.
+  2  ZeRO-2. No full-size gradient storage: a bucket's gradients are gathered in
+     a transient bucket buffer, reduce-scattered on every microbatch into a
+     persistent owned shard (1/DP of the gradients), and the buffer released.
+  3  ZeRO-3. As 2, with one bucket per layer and the parameters sharded as well
+     (zero3.py gathers a layer's parameters around its forward and backward).
+
+Communication per iteration (N gradient elements on a rank, p = DP x CP size):
+stage 0 one all-reduce of N; stages 1-2 a reduce-scatter of N (per microbatch
+in stage 2) plus an all-gather of N parameters - the same bytes as the
+all-reduce, which is itself a reduce-scatter plus an all-gather.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tricorn.config import Config
+from tricorn.parallel.grads import is_tied_copy, is_tied_embedding
+from tricorn.parallel.state import ParallelState
+
+
+@dataclass(frozen=True)
+class DPOptions:
+    stage: int  # 0: DDP, 1: distributed optimizer, 2 and 3: ZeRO-2/3
+    bucket_size: int
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    grad_dtype: torch.dtype = torch.float32
+
+    @property
+    def distributed(self) -> bool:
+        return self.stage >= 1
+
+    @property
+    def sharded_grads(self) -> bool:
+        return self.stage >= 2
+
+
+def dp_options(cfg: Config) -> DPOptions:
+    """--zero-stage 2/3 implies the distributed optimizer; --zero-stage 1 alone is plain DDP, as in Megatron."""
+    p = cfg.parallel
+    distributed = p.use_distributed_optimizer or p.zero_stage >= 2
+    return DPOptions(
+        stage=p.zero_stage if distributed else 0,
+        bucket_size=int(p.ddp_bucket_size or 40_000_000),
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather and distributed,
+        grad_dtype=torch.bfloat16 if p.grad_reduce_in_bf16 else torch.float32,
+    )
+
+
+@dataclass
+class Slot:
+    """Where one parameter lives in its bucket (elements)."""
+
+    param: nn.Parameter
+    offset: int
+    numel: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+class Bucket:
+    """A contiguous run of parameters of one dtype whose gradients are reduced together."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], opts: DPOptions, group: dist.ProcessGroup):
+        self.index = index
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.sharded_grads = opts.sharded_grads
+        self.distributed = opts.distributed
+        self.dtype = params[0].dtype
+        self.grad_dtype = opts.grad_dtype
+        self.slots: list[Slot] = []
+        offset = 0
+        for p in params:
+            self.slots.append(Slot(p, offset, p.numel()))
+            offset += p.numel()
+        shards = self.world if opts.distributed else 1
+        self.numel = math.ceil(offset / shards) * shards  # padding so that every shard has the same size
+        self.shard_size = self.numel // shards
+        self.lo = (dist.get_rank(group) if opts.distributed else 0) * self.shard_size
+        self.hi = self.lo + self.shard_size
+        self.param_flat: torch.Tensor = torch.empty(0)  # set by DataParallel; the params view it
+        self.param_shard: Optional[torch.Tensor] = None  # ZeRO-3: the persistent owned parameters
+        self.grad_flat: Optional[torch.Tensor] = None  # full-size gradients (transient under ZeRO-2/3)
+        self.grad_shard: Optional[torch.Tensor] = None  # ZeRO-2/3: the persistent owned gradients
+        self.pending: set[int] = set()  # ids of parameters whose gradient has not arrived in this backward
+        self.ready = False  # every gradient of this backward has arrived
+        self.reduce_work: Optional[dist.Work] = None
+        self.gather_work: Optional[dist.Work] = None
+
+    def arm(self) -> None:
+        """Expect one gradient per parameter from the next backward."""
+        self.pending = {id(s.param) for s in self.slots}
+        self.ready = False
+
+    def owned(self, slot: Slot) -> tuple[int, int]:
+        """Bucket range [a, b) of `slot` inside this rank's shard (a == b when none of it is owned)."""
+        a, b = max(slot.offset, self.lo), min(slot.end, self.hi)
+        return (a, b) if a < b else (a, a)
+
+    def shard_param(self) -> torch.Tensor:
+        return self.param_shard if self.param_shard is not None else self.param_flat[self.lo : self.hi]
+
+    def shard_grad(self) -> torch.Tensor:
+        if self.sharded_grads:
+            return self.grad_shard
+        return self.grad_flat[self.lo : self.hi]
+
+    def grad_accumulator(self) -> torch.Tensor:
+        """ZeRO-2/3: the bucket-sized gradient buffer of this microbatch, allocated on first use."""
+        if self.grad_flat is None:
+            self.grad_flat = torch.zeros(self.numel, dtype=self.grad_dtype, device=self.param_flat.device)
+        return self.grad_flat
+
+    def start_reduce(self) -> None:
+        grads = self.grad_accumulator() if self.sharded_grads else self.grad_flat
+        if self.world == 1:
+            return
+        if self.distributed:  # in place: the owned shard of the input receives the sum
+            self.reduce_work = dist.reduce_scatter_single(grads[self.lo : self.hi], grads, group=self.group, async_op=True)
+        else:
+            self.reduce_work = dist.all_reduce(grads, group=self.group, async_op=True)
+
+    def finish_reduce(self) -> None:
+        if self.reduce_work is not None:
+            self.reduce_work.wait()
+            self.reduce_work = None
+        if self.sharded_grads and self.grad_flat is not None:
+            self.grad_shard.add_(self.grad_flat[self.lo : self.hi])
+            self.grad_flat = None  # the bucket memory goes back to the allocator for the next bucket
+
+    def start_param_gather(self) -> None:
+        if self.world == 1 or not self.distributed:
+            return
+        self.gather_work = dist.all_gather_single(self.param_flat, self.shard_param(), group=self.group, async_op=True)
+
+    def finish_param_gather(self) -> None:
+        if self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work = None
+
+
+def plan_buckets(params: list[nn.Parameter], bucket_size: int, alone: Callable[[nn.Parameter], bool]) -> list[list[nn.Parameter]]:
+    """Reverse order, one dtype per bucket, a new bucket past `bucket_size` elements; `alone` params get their own."""
+    buckets: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in reversed(params):
+        if current and (size >= bucket_size or p.dtype != current[0].dtype or alone(p) or alone(current[-1])):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _contiguous(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Zeroed views of one buffer, one per size."""
+    flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+    return list(flat.split(sizes)) if sizes else []
+
+
+def _wait_for_gathers(buckets: list[Bucket]) -> Callable:
+    def hook(_module: nn.Module, _args: tuple) -> None:
+        for b in buckets:
+            b.finish_param_gather()
+
+    return hook
+
+
+class DataParallel:
+    """The gradient (and parameter) buffers of one model chunk and their DP x CP collectives."""
+
+    def __init__(
+        self, module: nn.Module, state: ParallelState, opts: DPOptions, units: Optional[list[list[nn.Parameter]]] = None
+    ):
+        self.module = module
+        self.opts = opts
+        self.group = state.dp_cp_group
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        if units is not None:  # ZeRO-3: one bucket per layer, in backward order
+            groups = [list(u) for u in reversed(units)]
+        else:
+            # Megatron: with PP and tied embeddings the two copies sit in buckets of their own, so both
+            # stages shard them identically and the embedding all-reduce can act on owned shards only.
+            tied = {id(p) for n, p in named if is_tied_embedding(n) or is_tied_copy(p)}
+            separate = opts.distributed and state.embedding_group is not None
+            groups = plan_buckets(params, opts.bucket_size, lambda p: separate and id(p) in tied)
+        self.buckets = [Bucket(i, g, opts, self.group) for i, g in enumerate(groups) if g]
+        self.slot_of: dict[int, tuple[Bucket, Slot]] = {id(s.param): (b, s) for b in self.buckets for s in b.slots}
+        self._pack_params(state.device)
+        self._allocate_grads(state.device)
+        for b in self.buckets:
+            b.arm()
+        self.in_microbatch = False
+        self.is_last = False  # inside the last microbatch of the iteration
+        self.cursor = 0  # next bucket whose reduction starts (buckets start in order on every rank)
+        self.dirty = False  # gradients arrived since the last completed reduction
+        self.inject_inf = False  # test hook (see optimizer.py): poison the next gradient
+        self.trace: Optional[list[tuple[str, int]]] = None  # ("grad"|"launch", bucket) events when a list
+        self.on_bucket_ready: Optional[Callable[[Bucket], None]] = None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        if opts.overlap_param_gather and opts.stage in (1, 2):
+            self._register_gather_waits()
+
+    # ------------------------------------------------------------ construction
+
+    def _pack_params(self, device: torch.device) -> None:
+        """Move every parameter into its bucket's flat storage (one buffer per dtype; per bucket for ZeRO-3)."""
+        if self.opts.stage == 3:
+            flats = [torch.zeros(b.numel, dtype=b.dtype, device=device) for b in self.buckets]
+        else:
+            flats = [None] * len(self.buckets)
+            for dtype in {b.dtype for b in self.buckets}:
+                mine = [i for i, b in enumerate(self.buckets) if b.dtype == dtype]
+                for i, view in zip(mine, _contiguous([self.buckets[i].numel for i in mine], dtype, device)):
+                    flats[i] = view
+        with torch.no_grad():
+            for b, flat in zip(self.buckets, flats):
+                b.param_flat = flat
+                for s in b.slots:
+                    view = flat[s.offset : s.end].view_as(s.param)
+                    view.copy_(s.param)
+                    s.param.data = view
+
+    def _allocate_grads(self, device: torch.device) -> None:
+        """Full-size gradient buffer (stages 0-1, `main_grad` views) or the owned gradient shards (2-3)."""
+        dtype = self.opts.grad_dtype
+        if self.opts.sharded_grads:
+            for b, view in zip(self.buckets, _contiguous([b.shard_size for b in self.buckets], dtype, device)):
+                b.grad_shard = view
+            return
+        for b, view in zip(self.buckets, _contiguous([b.numel for b in self.buckets], dtype, device)):
+            b.grad_flat = view
+            for s in b.slots:
+                s.param.main_grad = view[s.offset : s.end].view_as(s.param)
+
+    def _register_gather_waits(self) -> None:
+        """--overlap-param-gather: a module's forward waits only for the buckets holding its own parameters."""
+        for m in self.module.modules():
+            buckets: list[Bucket] = []
+            for p in m.parameters(recurse=False):
+                if id(p) in self.slot_of and self.slot_of[id(p)][0] not in buckets:
+                    buckets.append(self.slot_of[id(p)][0])
+            if buckets:
+                m.register_forward_pre_hook(_wait_for_gathers(buckets))
+
+    # ------------------------------------------------------------ backward
+
+    @property
+    def reduce_this_microbatch(self) -> bool:
+        return self.in_microbatch and (self.is_last or self.opts.sharded_grads)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        bucket, slot = self.slot_of[id(p)]
+        grad = p.grad
+        if self.inject_inf:
+            grad.view(-1)[0] = float("inf")
+            self.inject_inf = False
+        if self.opts.sharded_grads:
+            bucket.grad_accumulator()[slot.offset : slot.end].add_(grad.view(-1))
+        else:
+            p.main_grad.add_(grad)
+        p.grad = None
+        self.dirty = True
+        bucket.pending.discard(id(p))
+        if self.trace is not None:
+            self.trace.append(("grad", bucket.index))
+        if not bucket.pending and not bucket.ready:
+            bucket.ready = True
+            if self.on_bucket_ready is not None:
+                self.on_bucket_ready(bucket)
+            if self.opts.overlap_grad_reduce and self.reduce_this_microbatch:
+                self._launch(ready_only=True)
+
+    def _launch(self, ready_only: bool) -> None:
+        while self.cursor < len(self.buckets):
+            bucket = self.buckets[self.cursor]
+            if ready_only and not bucket.ready:
+                return
+            bucket.start_reduce()
+            if self.trace is not None:
+                self.trace.append(("launch", bucket.index))
+            self.cursor += 1
+
+    def _wait_reductions(self) -> None:
+        for b in self.buckets:
+            b.finish_reduce()
+        self.cursor = 0
+        self.dirty = False
+
+    @contextlib.contextmanager
+    def microbatch(self, is_last: bool) -> Iterator[None]:
+        """Around one backward of this chunk; gradients are reduced only on the last one (every one for ZeRO-2/3)."""
+        self.in_microbatch, self.is_last = True, is_last
+        for b in self.buckets:
+            b.arm()
+        try:
+            yield
+        finally:
+            self.in_microbatch, self.is_last = False, False
+        if is_last or self.opts.sharded_grads:
+            self._launch(ready_only=False)
+        if self.opts.sharded_grads:
+            self._wait_reductions()
+
+    def finish_grad_sync(self) -> None:
+        """Start whatever has not started (e.g. backward ran outside `microbatch`) and wait for all of it."""
+        if self.dirty:
+            self._launch(ready_only=False)
+        self._wait_reductions()
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            if self.opts.sharded_grads:
+                b.grad_shard.zero_()
+                b.grad_flat = None
+            else:
+                b.grad_flat.zero_()
+            b.arm()
+        self.cursor = 0
+        self.dirty = False
+
+    # ------------------------------------------------------------ views for the optimizer
+
+    def owned_grads(self) -> dict[int, torch.Tensor]:
+        """id(param) -> the reduced gradient of the part of it this rank owns (1-D; may be empty)."""
+        out = {}
+        for b in self.buckets:
+            shard = b.shard_grad()
+            for s in b.slots:
+                lo, hi = b.owned(s)
+                out[id(s.param)] = shard[lo - b.lo : hi - b.lo]
+        return out
+
+    def start_param_gather(self) -> None:
+        for b in self.buckets:
+            b.start_param_gather()
+
+    def finish_param_gather(self) -> None:
+        for b in self.buckets:
+            b.finish_param_gather()

@@ -1,0 +1,156 @@
+"""Master weights and AdamW state for the part of one DP bucket that this rank owns.
+
+The owned range of a bucket (all of it for DDP, 1/DP with the distributed
+optimizer) has three flat fp32 tensors: master values, exp_avg and exp_avg_sq.
+Each parameter that overlaps the range is stepped through a 1-D view of them,
+so torch.optim.AdamW (foreach) does the math on the real storage and the state
+stays contiguous (and checkpointable per parameter, see ParamShard).
+
+The master is the parameter storage itself when parameters are fp32 and not
+offloaded; otherwise an fp32 copy, on the CPU (pinned when the device is CUDA)
+with --optimizer-cpu-offload. Memory per owned element: 4 (master, unless
+aliased) + 8 (moments), plus offload staging buffers. No collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tricorn.config import TrainingConfig
+from tricorn.parallel.data_parallel import Bucket
+
+
+@dataclass
+class ParamShard:
+    """The elements [start, stop) of p.view(-1) this rank owns, and their optimizer state (1-D views)."""
+
+    chunk: int
+    name: str
+    param: nn.Parameter
+    start: int
+    stop: int
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+
+
+def _buffer(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype, device=device, pin_memory=pin)
+
+
+class ShardState:
+    def __init__(self, bucket: Bucket, t: TrainingConfig, offload: bool):
+        self.bucket = bucket
+        shard = bucket.shard_param()
+        self.offloaded = offload
+        home = torch.device("cpu") if offload else shard.device
+        pin = offload and shard.device.type == "cuda"
+        # fp32 parameters on the device are their own master copy.
+        self.alias = shard.dtype == torch.float32 and not offload
+        self.master = shard if self.alias else _buffer(shard.numel(), torch.float32, home, pin).copy_(shard)
+        self.exp_avg = _buffer(shard.numel(), torch.float32, home, pin)
+        self.exp_avg_sq = _buffer(shard.numel(), torch.float32, home, pin)
+        needs_grad_copy = offload or bucket.grad_dtype != torch.float32
+        self.grad_staging = _buffer(bucket.shard_size, torch.float32, home, pin) if needs_grad_copy else None
+        self.param_staging = _buffer(shard.numel(), shard.dtype, home, pin) if pin else None
+        # (param, lo, hi, first element of the param): shard range [lo, hi) holds p.view(-1)[first : first + hi - lo].
+        self.entries: list[tuple[nn.Parameter, int, int, int]] = []
+        for s in bucket.slots:
+            a, b = bucket.owned(s)
+            if a < b:
+                self.entries.append((s.param, a - bucket.lo, b - bucket.lo, a - s.offset))
+        self.masters = [self.master[lo:hi] for _, lo, hi, _ in self.entries]
+        self.adam: Optional[torch.optim.AdamW] = None
+        if self.entries:  # a rank may own only padding of a small bucket
+            decay = [m for m, (p, *_) in zip(self.masters, self.entries) if p.ndim > 1]
+            no_decay = [m for m, (p, *_) in zip(self.masters, self.entries) if p.ndim <= 1]
+            groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            self.adam = torch.optim.AdamW(
+                [g for g in groups if g["params"]], lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, foreach=True
+            )
+            # State created up front as views of the flat moments (AdamW only initialises empty state).
+            for m, (_, lo, hi, _) in zip(self.masters, self.entries):
+                self.adam.state[m] = {
+                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "exp_avg": self.exp_avg[lo:hi],
+                    "exp_avg_sq": self.exp_avg_sq[lo:hi],
+                }
+
+    def grads_for_step(self) -> torch.Tensor:
+        """The reduced owned gradients as fp32 beside the master (copied when offloaded or reduced in bf16)."""
+        grads = self.bucket.shard_grad()
+        if self.grad_staging is None:
+            return grads
+        return self.grad_staging.copy_(grads, non_blocking=self.grad_staging.is_pinned())
+
+    def step(self, grads: torch.Tensor) -> None:
+        if self.adam is not None:
+            for m, (_, lo, hi, _) in zip(self.masters, self.entries):
+                m.grad = grads[lo:hi]
+            self.adam.step()
+            for m in self.masters:
+                m.grad = None
+        if not self.alias:
+            self._copy_to_params()
+
+    def _copy_to_params(self) -> None:
+        target = self.bucket.shard_param()
+        if self.param_staging is None:
+            target.copy_(self.master)
+        else:  # cast on the host into pinned memory, then an asynchronous host-to-device copy
+            self.param_staging.copy_(self.master)
+            target.copy_(self.param_staging, non_blocking=True)
+
+    def sync_from_params(self) -> None:
+        if not self.alias:
+            self.master.copy_(self.bucket.shard_param())
+
+    def set_lr(self, lr: float) -> None:
+        if self.adam is not None:
+            for group in self.adam.param_groups:
+                group["lr"] = lr
+
+    def _steps(self) -> list[torch.Tensor]:
+        return [self.adam.state[m]["step"] for m in self.masters] if self.adam is not None else []
+
+    def param_shards(self, names: dict[int, tuple[int, str]]) -> list[ParamShard]:
+        out = []
+        for m, step, (p, lo, hi, first) in zip(self.masters, self._steps(), self.entries):
+            chunk, name = names[id(p)]
+            out.append(ParamShard(chunk, name, p, first, first + hi - lo, m, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], step))
+        return out
+
+    def state_dict(self) -> dict:
+        steps = self._steps()
+        return {
+            "master": None if self.alias else self.master,
+            "exp_avg": self.exp_avg,
+            "exp_avg_sq": self.exp_avg_sq,
+            "step": float(steps[0]) if steps else 0.0,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["exp_avg"].numel() != self.exp_avg.numel():
+            raise ValueError(
+                f"optimizer shard of {state['exp_avg'].numel()} elements does not fit this layout's {self.exp_avg.numel()}"
+            )
+        self.exp_avg.copy_(state["exp_avg"])
+        self.exp_avg_sq.copy_(state["exp_avg_sq"])
+        for step in self._steps():
+            step.fill_(state["step"])
+        if state.get("master") is not None and not self.alias:
+            self.master.copy_(state["master"])
+            self._copy_to_params()
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        staging = [t for t in (self.param_staging,) if t is not None]
+        return {
+            "master_params": ([] if self.alias else [self.master]) + staging,
+            "optimizer_state": [self.exp_avg, self.exp_avg_sq, *self._steps()],
+            "grads": [self.grad_staging] if self.grad_staging is not None else [],
+        }
