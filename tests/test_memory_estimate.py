@@ -251,6 +251,13 @@ def test_plot_needs_matplotlib_or_draws(tmp_path, capsys) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_world_size_defaults_to_one_replica_and_keeps_the_global_batch(capsys) -> None:
+    rec = run_json(
+        ["--model-preset", "tiny", "--vocab-size", "256", "--tensor-model-parallel-size", "2", "--global-batch-size", "8"], capsys
+    )
+    assert rec["world_size"] == 2 and rec["layout"]["dp"] == 1 and rec["layout"]["num_microbatches"] == 8
+
+
 def test_format_report_for_dry_run() -> None:
     cfg = estimate_cli.config_for_estimate(["--model-preset", "tiny", "--vocab-size", "256", "--device", "cpu"])
     text = estimate_cli.format_report(cfg)

@@ -27,6 +27,8 @@ from tricorn.planning import sbatch
 
 REPO = Path(__file__).resolve().parent.parent
 START, STOP = REPO / "scripts/slurm_local/start.sh", REPO / "scripts/slurm_local/stop.sh"
+# The first test also pays for apt-get installing slurm-wlm on a fresh machine.
+pytestmark = pytest.mark.timeout(900)
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED")
 
 

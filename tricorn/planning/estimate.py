@@ -51,14 +51,10 @@ def _usage() -> str:
 
 def config_for_estimate(argv: list[str], world_size: Optional[int] = None) -> Config:
     """Parse pretrain_gpt.py flags for an estimate: GPU unless --device is given; data flags optional."""
-    cfg = config_from_args(argv, world_size=world_size if world_size is not None else 1)
-    if world_size is None:
-        p = cfg.parallel
-        cfg.world_size = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
-        cfg.training.global_batch_size = None
-        from tricorn.config import _resolve_defaults
-
-        _resolve_defaults(cfg)
+    if world_size is None:  # no launcher: one model replica (DP = 1)
+        p = config_from_args(argv, world_size=1).parallel
+        world_size = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    cfg = config_from_args(argv, world_size=world_size)
     if "--device" not in argv:
         cfg.device = "cuda"
     if cfg.model.vocab_size is None and cfg.data.tokenizer_model:
@@ -119,7 +115,12 @@ def _gib(x: float) -> str:
 
 
 def format_report(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> str:
-    """The human report: layout, parameter count, per-category bytes on the worst rank, fit."""
+    """The human report: layout, parameter count, per-category bytes on the worst rank, fit.
+
+    On a CUDA config without ``gpu_memory_bytes`` the visible device's memory is used when there is one.
+    """
+    if gpu_memory_bytes is None and cfg.device == "cuda":
+        gpu_memory_bytes = _visible_device_memory()
     rec = estimate_record(cfg, gpu_memory_bytes)
     lay = rec["layout"]
     name = cfg.model_preset or f"{cfg.model.num_layers}x{cfg.model.hidden_size}"
@@ -145,6 +146,15 @@ def format_report(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> str:
         f"  FLOPs per iteration: {rec['model_flops_per_iteration']:.3e} model, {rec['hardware_flops_per_iteration']:.3e} hardware"
     )
     return "\n".join(lines)
+
+
+def _visible_device_memory() -> Optional[float]:
+    try:
+        import torch
+
+        return float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
+    except Exception:
+        return None
 
 
 def plot(rec: dict, path: str) -> None:

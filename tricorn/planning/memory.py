@@ -215,7 +215,7 @@ def stage_params_per_rank(model: ModelConfig, layout: Layout, stage: int, layers
 
 
 def total_params(model: ModelConfig) -> int:
-    """Unique parameters of the model (tied head counted once), unpadded vocabulary where known."""
+    """Unique parameters of the model (tied head counted once), vocabulary padded as for TP = 1."""
     return stage_params_per_rank(model, Layout(), 0, model.num_layers)
 
 
@@ -485,5 +485,6 @@ def estimate(
     return best
 
 
-def estimate_config(cfg: Config, profile: ActivationProfile = TRICORN) -> MemoryEstimate:
-    return estimate(cfg.model, Layout.from_config(cfg), profile)
+def estimate_config(cfg: Config, profile: ActivationProfile = TRICORN, stage: Optional[int] = None) -> MemoryEstimate:
+    """The worst rank of ``cfg``, or pipeline ``stage``'s ranks (to compare with what a given rank measures)."""
+    return estimate(cfg.model, Layout.from_config(cfg), profile, stages=None if stage is None else (stage,))
