@@ -23,6 +23,7 @@ from tricorn.data.base import Batch, GlobalBatchLoader
 from tricorn.parallel.context import slice_batch
 from tricorn.parallel.state import ParallelState
 from tricorn.training.logging import MetricsLogger
+from tricorn.training.memory_report import write_memory_report
 from tricorn.training.lr_schedule import learning_rate
 from tricorn.training.step import StepContext, forward_backward_no_pipelining
 
@@ -55,6 +56,7 @@ class Trainer:
     forward_backward: Callable = forward_backward_no_pipelining
     iteration: int = 0
     history: list = field(default_factory=list)
+    skipped_iterations: int = 0  # optimizer steps skipped for fp16 overflow, this run
 
     # ------------------------------------------------------------ batches
 
@@ -135,6 +137,8 @@ class Trainer:
             "iteration-time": r.seconds,
             "batch-size": r.global_batch_size,
             "tokens-per-sec": tokens / r.seconds,
+            "loss-scale": r.loss_scale,
+            "skipped-iterations": self.skipped_iterations,
         }
         self.logger.scalars(self.iteration, values)
         self.logger.record(
@@ -158,6 +162,9 @@ class Trainer:
         while self.iteration < t.train_iters:
             result = self.run_iteration()
             self.history.append(result)
+            self.skipped_iterations += int(result.skipped)
+            if len(self.history) == 1 and hasattr(self.optimizer, "memory_tensors"):
+                write_memory_report(self.cfg, self.state, self.optimizer)
             if self.iteration % self.cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
                 self.log(result)
             if self.valid_loader is not None and d.eval_interval and self.iteration % d.eval_interval == 0:

@@ -1,0 +1,101 @@
+"""Bytes of model state each rank actually holds, measured from tensor storages after the first iteration.
+
+Categories (the memory estimator uses the same keys):
+  params_bytes           model parameters: their flat bucket storage (ZeRO-3: the owned shards;
+                         gathered layers are freed by the time this runs)
+  grads_bytes            main_grad buffers, or the ZeRO-2/3 gradient shards, plus gradient staging
+  master_params_bytes    fp32 master copies (0 when fp32 parameters are their own master)
+  optimizer_state_bytes  Adam moments and step counters
+
+Every storage counts once (by data pointer), in the first category that holds
+it, at its full allocated size (padding included). When training on a GPU,
+tensors in host memory (--optimizer-cpu-offload) are reported as host_bytes
+rather than in the four device categories.
+
+Output: memory_report.json - a JSON list, one entry per rank - written
+atomically into --tensorboard-dir, else the --save dir, else nowhere; rank 0
+prints one summary line. Collective: one all_gather_object over all ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tricorn.config import Config
+from tricorn.parallel.state import ParallelState
+
+KEYS = ("params_bytes", "grads_bytes", "master_params_bytes", "optimizer_state_bytes")
+FILENAME = "memory_report.json"
+
+
+def measure(tensors: dict[str, list[torch.Tensor]], device: torch.device) -> dict[str, int]:
+    """Storage bytes per category; `tensors` maps 'params'/'grads'/'master_params'/'optimizer_state' to tensors."""
+    seen: set[tuple[str, int]] = set()
+    out = {key: 0 for key in KEYS} | {"host_bytes": 0}
+    for key in KEYS:
+        for t in tensors.get(key.removesuffix("_bytes"), []):
+            storage = t.untyped_storage()
+            where = (t.device.type, storage.data_ptr())
+            if storage.nbytes() == 0 or where in seen:
+                continue
+            seen.add(where)
+            on_device = t.device.type == device.type
+            out[key if on_device else "host_bytes"] += storage.nbytes()
+    return out
+
+
+def report_path(cfg: Config) -> Optional[Path]:
+    folder = cfg.logging.tensorboard_dir or cfg.checkpoint.save
+    return Path(folder) / FILENAME if folder else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def write_memory_report(cfg: Config, state: ParallelState, optimizer) -> list[dict]:
+    """Measure on every rank, gather to all, and (rank 0) write the file and print the summary. Returns the entries."""
+    entry = {
+        "rank": state.rank,
+        **measure(optimizer.memory_tensors(), state.device),
+        "tp_rank": state.tp_rank,
+        "pp_rank": state.pp_rank,
+        "dp_rank": state.dp_rank,
+        "cp_rank": state.cp_rank,
+        "params_dtype": cfg.param_dtype_name,
+        "use_distributed_optimizer": optimizer.opts.distributed,
+        "zero_stage": optimizer.opts.stage,
+        "optimizer_cpu_offload": cfg.parallel.optimizer_cpu_offload,
+        "device": state.device.type,
+    }
+    entry["total_bytes"] = sum(entry[k] for k in KEYS)
+    entries: list[dict] = [{}] * state.world_size
+    dist.all_gather_object(entries, entry)
+    if state.rank == 0:
+        path = report_path(cfg)
+        if path is not None:
+            _write_atomic(path, json.dumps(entries, indent=1) + "\n")
+        worst = {k: max(e[k] for e in entries) for k in (*KEYS, "total_bytes")}
+        print(
+            f"memory report (max per rank over {len(entries)}): params {_mib(worst['params_bytes'])} | "
+            f"grads {_mib(worst['grads_bytes'])} | master params {_mib(worst['master_params_bytes'])} | "
+            f"optimizer state {_mib(worst['optimizer_state_bytes'])} | total {_mib(worst['total_bytes'])}"
+            + (f" -> {path}" if path is not None else ""),
+            flush=True,
+        )
+    return entries
