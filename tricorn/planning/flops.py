@@ -137,12 +137,17 @@ def recomputed_layer_count(cfg: Config) -> int:
     return m.num_layers
 
 
-def iteration_flops_for_config(cfg: Config, *, flash_attention: bool = True, causal_halving: bool = False) -> IterationFlops:
-    """The FLOPs of one iteration of ``cfg`` (global batch, padded vocabulary for its TP, recompute flags)."""
+def iteration_flops_for_config(
+    cfg: Config, *, flash_attention: bool = True, causal_halving: bool = False, global_batch_size: Optional[int] = None
+) -> IterationFlops:
+    """The FLOPs of one iteration of ``cfg`` (global batch, padded vocabulary for its TP, recompute flags).
+
+    ``global_batch_size`` overrides the configured one (the batch of an iteration during --rampup-batch-size).
+    """
     m = cfg.model
     return iteration_flops(
         m,
-        cfg.training.global_batch_size,
+        global_batch_size or cfg.training.global_batch_size,
         vocab_size=m.padded_vocab_size(cfg.parallel.tensor_model_parallel_size),
         recompute_granularity=m.recompute_granularity,
         recompute_modules=tuple(m.recompute_modules or ()),

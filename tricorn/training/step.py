@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tricorn.data.base import Batch
+from tricorn.training.timers import NULL_TIMERS, Timers
 
 
 class Optim(Protocol):
@@ -31,6 +32,8 @@ class StepContext:
     forward_only: bool = False
     # Applied to each microbatch before the model sees it (context parallel takes its sequence chunk).
     prepare: Callable[[Batch], Batch] = lambda b: b
+    # Phase timers of the trainer (e.g. the pipeline's P2P wait); nothing is timed by default.
+    timers: Timers = NULL_TIMERS
 
 
 def microbatch_loss(model: nn.Module, mb: Batch, num_tokens: torch.Tensor) -> torch.Tensor:
