@@ -111,13 +111,14 @@ def iteration_flops(
     layer = layer_forward_flops_per_token(model, s, causal_halving)
     head = 2 * model.hidden_size * vocab
     model_flops = 3 * tokens * (model.num_layers * layer.total + head)
+    # The MLP down projection's output is saved by nothing, so an early-stopping recompute never re-runs it.
+    down_proj = 2 * model.hidden_size * model.ffn_size if recompute_early_stop else 0
     if recompute_granularity == "full":
         n = model.num_layers if recomputed_layers is None else recomputed_layers
-        down_proj = 2 * model.hidden_size * model.ffn_size
-        recompute = tokens * n * (layer.total - (down_proj if recompute_early_stop else 0))
+        recompute = tokens * n * (layer.total - down_proj)
     elif recompute_granularity == "selective":
-        per_layer = (layer.core if "core_attn" in recompute_modules else 0) + (layer.mlp if "mlp" in recompute_modules else 0)
-        recompute = tokens * model.num_layers * per_layer
+        mlp = layer.mlp - down_proj if "mlp" in recompute_modules else 0
+        recompute = tokens * model.num_layers * ((layer.core if "core_attn" in recompute_modules else 0) + mlp)
     elif recompute_granularity is None:
         recompute = 0.0
     else:
