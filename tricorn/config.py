@@ -527,9 +527,10 @@ def validate(cfg: Config) -> list[str]:
     if not errs:
         # Each feature validates its own flags; imported here so config.py stays import-light.
         from tricorn.parallel.pipeline.stages import validate_pipeline
+        from tricorn.parallel.recompute import validate_recompute
         from tricorn.training.batch_schedule import validate_rampup
 
-        errs += validate_pipeline(cfg) + validate_rampup(cfg)
+        errs += validate_pipeline(cfg) + validate_rampup(cfg) + validate_recompute(cfg)
     errs += _validate_unsupported(cfg)
     return errs
 

@@ -45,6 +45,7 @@ def build(cfg: Config, state):
     from tricorn.parallel.optimizer import Optimizer
     from tricorn.parallel.pipeline.build import build_model_chunks
     from tricorn.parallel.pipeline.executor import PipelineExecutor
+    from tricorn.parallel.recompute import apply_recompute
     from tricorn.parallel.tensor import seed_everything, tensor_parallel_spec
     from tricorn.training.step import forward_backward_no_pipelining
 
@@ -52,6 +53,7 @@ def build(cfg: Config, state):
     spec = apply_context_parallel(tensor_parallel_spec(cfg, state.tp_group, tracker), state.cp_group, cfg.model.seq_length)
     # One chunk per virtual pipeline stage of this rank (the whole model without PP).
     chunks = build_model_chunks(cfg, spec, state.pp_rank, state.tp_size, state.device)
+    apply_recompute(chunks, cfg.model, tracker)  # --recompute-granularity: checkpoint layers / modules in place
     for chunk in chunks:
         cast_params(chunk, cfg)
     optimizer = Optimizer(cfg, state, chunks)

@@ -1,0 +1,189 @@
+"""Activation recomputation: refused combinations, bitwise equality with no recompute, RNG tracker replay.
+
+The launched runs compare a recompute run with the same layout without recompute at rtol=0 (fp32 on CPU),
+for full (uniform, 1 layer) and selective recompute, single process, TP=2 with SP (and dropout, so the
+tensor-parallel RNG stream is exercised), and PP=2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import BASE_FLAGS, assert_close, reference, run_layout, with_flag
+
+from tricorn.config import ModelConfig, config_from_args, validate
+from tricorn.model.spec import LayerSpec
+from tricorn.model.transformer import GPTModel
+from tricorn.parallel.recompute import RecomputePlan, apply_recompute
+from tricorn.parallel.tensor import RNGTracker
+from tricorn.training.activation_probe import ActivationProbe, layer_activation_bytes
+
+FLAGS = with_flag(BASE_FLAGS, "--num-layers", "4")
+FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
+SELECTIVE = "--recompute-granularity selective".split()
+
+
+def _errors(extra: str, world_size: int = 1) -> list[str]:
+    return validate(config_from_args(FLAGS + extra.split(), world_size=world_size))
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "extra, world, needle",
+    [
+        ("--recompute-granularity selective --recompute-num-layers 1", 1, "selective recompute takes no --recompute-num-layers"),
+        ("--recompute-granularity selective --recompute-method uniform", 1, "--recompute-method applies to full"),
+        ("--recompute-granularity full --recompute-num-layers 1", 1, "full needs --recompute-method"),
+        ("--recompute-granularity full --recompute-method block", 1, "full needs --recompute-num-layers"),
+        ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 0", 1, "at least 1"),
+        ("--recompute-method uniform --recompute-num-layers 2", 1, "need --recompute-granularity full"),
+        (
+            "--recompute-granularity full --recompute-method block --recompute-num-layers 3 --pipeline-model-parallel-size 2",
+            2,
+            "2 layers",
+        ),
+    ],
+)
+def test_invalid_combinations_are_refused(extra: str, world: int, needle: str) -> None:
+    errs = _errors(extra, world)
+    assert any(needle in e for e in errs), errs
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "",
+        "--recompute-granularity selective --recompute-modules core_attn mlp norm",
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 4",
+        "--recompute-granularity full --recompute-method block --recompute-num-layers 2",
+    ],
+)
+def test_valid_combinations_pass(extra: str) -> None:
+    assert _errors(extra) == []
+
+
+def test_refused_before_launch(tmp_path) -> None:
+    run = run_layout(FLAGS + ["--recompute-granularity", "full"], 1, tmp_path, check=False)
+    assert run.returncode == 2 and not run.records
+    assert "tricorn: error: --recompute-granularity full needs --recompute-method" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_groups_of_the_plan() -> None:
+    ids = [str(i) for i in range(4, 9)]
+    uniform = RecomputePlan("full", "uniform", 2)
+    assert uniform.full_groups(ids) == [["4", "5"], ["6", "7"], ["8"]]
+    assert RecomputePlan("full", "block", 2).full_groups(ids) == [["4"], ["5"]]
+    assert RecomputePlan("selective").full_groups(ids) == []
+
+
+# ---------------------------------------------------------------- in process: RNG tracker and block method
+
+
+def _dropout_model(recompute: dict, replay_tracker: bool = True) -> tuple[float, torch.Tensor]:
+    """Loss and flat gradient of a 3-layer model whose dropout draws from an RNG tracker stream (as TP/SP do)."""
+    cfg = ModelConfig(
+        num_layers=3,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        vocab_size=50,
+        hidden_dropout=0.2,
+        attention_dropout=0.2,
+    )
+    for key, value in recompute.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    tracker = RNGTracker(torch.device("cpu"))
+    tracker.add(RNGTracker.TP, 77)
+    spec = LayerSpec(tp_rng=lambda: tracker.fork(), sequence_rng=lambda: tracker.fork())
+    model = GPTModel(cfg, spec, padded_vocab_size=64)
+    model.init_weights(1)
+    apply_recompute([model], cfg, tracker if replay_tracker else None)
+    tokens = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
+    loss = model(tokens, tokens).mean()
+    loss.backward()
+    return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+FULL_UNIFORM = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        FULL_UNIFORM,
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+        dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+        dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+        dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "norm"]),
+    ],
+)
+def test_tracker_dropout_is_replayed_bitwise(recompute: dict) -> None:
+    loss, grads = _dropout_model({})
+    loss_r, grads_r = _dropout_model(recompute)
+    assert loss_r == loss and torch.equal(grads_r, grads)
+
+
+def test_without_tracker_replay_the_masks_differ() -> None:
+    """The control: a recomputation that does not restore the tracker's stream draws other dropout masks."""
+    _, grads = _dropout_model({})
+    _, grads_r = _dropout_model(FULL_UNIFORM, replay_tracker=False)
+    assert not torch.equal(grads_r, grads)
+
+
+def test_block_method_checkpoints_the_first_layers_only() -> None:
+    cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=50)
+    cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers = "full", "block", 1
+    model = GPTModel(cfg, padded_vocab_size=64)
+    model.init_weights(1)
+    apply_recompute([model], cfg)
+    tokens = torch.randint(0, 50, (2, 16))
+    with ActivationProbe([model]) as probe:
+        model(tokens, tokens).mean().backward()
+    measured = {k: v[0] for k, v in probe.layer_bytes().items()}
+    full = layer_activation_bytes(cfg, seq=16, micro_batch=2)
+    assert abs(measured["0"] - 4 * 16 * 2 * 32) <= 0.05 * 4 * 16 * 2 * 32  # its input (+ the position ids)
+    assert measured["1"] == measured["2"] == full
+
+
+def test_applying_twice_is_an_error() -> None:
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=50)
+    cfg.recompute_granularity = "selective"
+    model = GPTModel(cfg, padded_vocab_size=64)
+    apply_recompute([model], cfg)
+    with pytest.raises(RuntimeError, match="already applied"):
+        apply_recompute([model], cfg)
+
+
+# ---------------------------------------------------------------- launched runs: bitwise in fp32
+
+
+def _assert_bitwise(run, ref) -> None:
+    assert_close(run.losses, ref.losses, rtol=0, what="lm loss")
+    assert_close(run.grad_norms, ref.grad_norms, rtol=0, what="grad norm")
+    assert len(run.losses) == 5
+
+
+@pytest.mark.parametrize("extra", [FULL, SELECTIVE], ids=["full", "selective"])
+def test_single_process_is_bitwise(tmp_path, extra: list[str]) -> None:
+    ref = reference(FLAGS, tmp_path / "ref")
+    _assert_bitwise(run_layout(FLAGS + extra, 1, tmp_path / "run"), ref)
+
+
+def test_tp2_sp_with_dropout_is_bitwise(tmp_path) -> None:
+    tp = FLAGS + "--tensor-model-parallel-size 2 --sequence-parallel --hidden-dropout 0.1 --attention-dropout 0.1".split()
+    ref = run_layout(tp, 2, tmp_path / "none")
+    _assert_bitwise(run_layout(tp + SELECTIVE, 2, tmp_path / "selective"), ref)
+    _assert_bitwise(run_layout(tp + FULL, 2, tmp_path / "full"), ref)
+
+
+def test_pp2_selective_is_bitwise(tmp_path) -> None:
+    pp = FLAGS + ["--pipeline-model-parallel-size", "2"]
+    errs = validate(config_from_args(pp, world_size=2))
+    if any("pipeline" in e for e in errs):
+        pytest.skip(f"PP=2 is refused by the config: {errs[0]}")
+    ref = run_layout(pp, 2, tmp_path / "none")
+    _assert_bitwise(run_layout(pp + SELECTIVE + ["--recompute-modules", "core_attn", "mlp", "norm"], 2, tmp_path / "sel"), ref)

@@ -1,0 +1,280 @@
+"""Activation recomputation: full (layer groups) and selective (core attention, MLP, norm outputs).
+
+Flags (Megatron names):
+
+    --recompute-granularity full --recompute-method uniform --recompute-num-layers N
+        every model chunk's layers, in groups of N consecutive layers; each group keeps only its input
+    --recompute-granularity full --recompute-method block --recompute-num-layers N
+        the first N layers of each model chunk (pipeline stage, or virtual stage), each keeping only its input;
+        the other layers keep everything
+    --recompute-granularity selective [--recompute-modules core_attn mlp norm]   (default core_attn)
+        core_attn: the attention core (SDPA) is recomputed from q, k, v
+        mlp:       the MLP is recomputed from its input
+        norm:      the two norms' outputs (the QKV and MLP input) are dropped after use and rebuilt
+                   from the norm input just before the backward needs them (Megatron's CheckpointWithoutOutput)
+
+Mechanics. Full and core_attn/mlp use ``torch.utils.checkpoint`` (non-reentrant): the forward runs
+once without keeping the region's intermediates, and the first backward access re-runs it. A group of N
+layers is checkpointed as one region: the group's first layer runs the whole group and the others pass
+their input through, so parameter names, the layer ModuleDict and module hooks stay as they were.
+
+RNG: checkpoint restores the default RNG stream for the recomputation, but the tensor-parallel dropout
+stream lives in the RNG tracker (``tricorn.parallel.tensor.RNGTracker``). Each checkpoint snapshots the
+tracker's states when its forward starts and swaps them in around its recomputation (as Megatron's
+CheckpointFunction does), so every dropout mask - residual dropout under SP, attention dropout in the TP
+region - is drawn again identically, and the tracker continues afterwards as if nothing was recomputed.
+Recomputation therefore gives bitwise the same loss and gradients as no recomputation.
+
+Collectives: a recomputed region re-runs its collectives during backward (the TP all-reduce or the SP
+all-gather / reduce-scatter of a recomputed layer or MLP); every TP rank recomputes the same regions in the
+same order, so they stay matched. Nothing here adds a collective of its own.
+
+Memory effect (per layer and microbatch; the formula is in tricorn/training/activation_probe.py): full keeps
+e*s*b*h (the layer input, /TP under SP) per group of N layers, plus one group's full activations while its
+backward runs; selective core_attn drops the attention core's saved state (flash: its fp32 log-sum-exp;
+math attention: the s x s softmax, dropout mask and dropped probabilities); mlp drops the MLP intermediates;
+norm drops the two norm outputs (under SP the column-parallel linears keep their all-gathered input anyway,
+so norm saves nothing there). Compute: full adds about one forward per step (~+33%), selective much less.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+RECOMPUTE_MODULES = ("core_attn", "mlp", "norm")
+_APPLIED = "_tricorn_recompute"
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _chunk_layer_counts(cfg: Any) -> list[int]:
+    """Layers in each model chunk of the run (one count without PP); empty if the split itself is invalid."""
+    from tricorn.parallel.pipeline.stages import StageSplitError, layout_from_config
+
+    try:
+        return list(layout_from_config(cfg).counts)
+    except StageSplitError:
+        return []  # validate_pipeline reports the split
+
+
+def validate_recompute(cfg: Any) -> list[str]:
+    """Every problem with the recompute flags of a Config, one sentence each (before launch)."""
+    m = cfg.model
+    gran, method, n = m.recompute_granularity, m.recompute_method, m.recompute_num_layers
+    errs: list[str] = []
+    if gran is None:
+        if method is not None or n is not None:
+            errs.append("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+        return errs
+    if gran == "selective":
+        if method is not None:
+            errs.append("--recompute-method applies to full recompute only; selective recompute covers every layer")
+        if n is not None:
+            errs.append("selective recompute takes no --recompute-num-layers (it covers every layer); drop the flag")
+        unknown = sorted(set(m.recompute_modules or ()) - set(RECOMPUTE_MODULES))
+        if unknown:
+            errs.append(f"--recompute-modules {' '.join(unknown)} unknown; choose from {' '.join(RECOMPUTE_MODULES)}")
+        if not m.recompute_modules:
+            errs.append("selective recompute needs at least one of --recompute-modules core_attn mlp norm")
+        return errs
+    if method is None:
+        errs.append("--recompute-granularity full needs --recompute-method uniform (groups of N layers) or block (first N)")
+    if n is None:
+        errs.append("--recompute-granularity full needs --recompute-num-layers N (layers per group, or per stage with block)")
+    elif n < 1:
+        errs.append(f"--recompute-num-layers must be at least 1, got {n}")
+    else:
+        counts = _chunk_layer_counts(cfg)
+        if counts and n > max(counts):
+            errs.append(
+                f"--recompute-num-layers {n} is more than the {max(counts)} layers of a model chunk on a pipeline stage; "
+                f"use 1..{max(counts)}"
+            )
+    return errs
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    granularity: Optional[str] = None  # None | "full" | "selective"
+    method: Optional[str] = None  # "uniform" | "block" (full only)
+    num_layers: int = 1
+    modules: tuple[str, ...] = ("core_attn",)
+
+    @classmethod
+    def from_model_config(cls, m: Any) -> RecomputePlan:
+        return cls(m.recompute_granularity, m.recompute_method, m.recompute_num_layers or 1, tuple(m.recompute_modules or ()))
+
+    def full_groups(self, layer_ids: Sequence[str]) -> list[list[str]]:
+        """The checkpointed groups among one chunk's layers (in order) under full recompute."""
+        ids = list(layer_ids)
+        if self.granularity != "full":
+            return []
+        if self.method == "block":
+            return [[i] for i in ids[: self.num_layers]]
+        return [ids[k : k + self.num_layers] for k in range(0, len(ids), self.num_layers)]
+
+
+# ---------------------------------------------------------------- RNG tracker replay
+
+
+def tracker_context_fn(tracker: Optional[Any]) -> Callable[[], tuple[contextlib.AbstractContextManager, ...]]:
+    """checkpoint's context_fn: snapshot the tracker's streams in forward, replay them around the recomputation."""
+
+    def context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        if tracker is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        snapshot: dict[str, torch.Tensor] = {}
+
+        @contextlib.contextmanager
+        def forward() -> Iterator[None]:
+            # RNGTracker.fork replaces the dict entries (never mutates a state tensor), so a shallow copy suffices.
+            snapshot.update(tracker.states)
+            yield
+
+        @contextlib.contextmanager
+        def recompute() -> Iterator[None]:
+            current = dict(tracker.states)
+            tracker.states.update(snapshot)
+            try:
+                yield
+            finally:
+                tracker.states.clear()
+                tracker.states.update(current)
+
+        return forward(), recompute()
+
+    return context_fn
+
+
+def checkpointed(fn: Callable[..., Any], context_fn: Callable) -> Callable[..., Any]:
+    """fn under non-reentrant torch.utils.checkpoint when autograd records (plain fn otherwise)."""
+
+    def run(*args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return fn(*args)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn)
+
+    return run
+
+
+# ---------------------------------------------------------------- full recompute
+
+
+def _passthrough(x: torch.Tensor, *_: Any) -> torch.Tensor:
+    return x
+
+
+def _checkpoint_group(layers: list[nn.Module], context_fn: Callable) -> None:
+    """The group's first layer runs all of it under one checkpoint; the others hand their input on."""
+    forwards = [layer.forward for layer in layers]
+
+    def run_group(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        for forward in forwards:
+            x = forward(x, *args)
+        return x
+
+    layers[0].forward = checkpointed(run_group, context_fn)
+    for layer in layers[1:]:
+        layer.forward = _passthrough
+
+
+# ---------------------------------------------------------------- selective recompute
+
+
+def _checkpoint_core_attention(block: nn.Module, context_fn: Callable) -> None:
+    attention = block.attention
+    attention.spec = dataclasses.replace(attention.spec, core_attention=checkpointed(attention.spec.core_attention, context_fn))
+
+
+def _checkpoint_mlp(block: nn.Module, context_fn: Callable) -> None:
+    block.mlp.forward = checkpointed(block.mlp.forward, context_fn)
+
+
+def _recompute_norm_output(norm: nn.Module, consumer: nn.Module) -> None:
+    """Free `norm`'s output once `consumer` (which saved it) has run; rebuild it when consumer's backward starts.
+
+    The storage is emptied in place, so the tensors autograd saved (views of it) stay valid objects and are
+    refilled - not replaced - before use; the version counter is untouched, so autograd's checks still hold.
+    """
+    norm_forward = norm.forward
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = norm_forward(x)
+        if torch.is_grad_enabled() and y.requires_grad and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+            pending.append((x, y))
+        return y
+
+    def after_consumer(_module: nn.Module, _args: Any, out: torch.Tensor) -> None:
+        if not pending:
+            return
+        x, y = pending.pop()
+        if not (torch.is_grad_enabled() and out.requires_grad):
+            return
+        storage = y.untyped_storage()
+        nbytes = storage.nbytes()
+        storage.resize_(0)
+
+        def refill(_grad: torch.Tensor) -> None:
+            if storage.nbytes() == nbytes:
+                return  # already rebuilt (a second backward through a retained graph)
+            with torch.no_grad():
+                again = norm_forward(x)
+            storage.resize_(nbytes)
+            storage.copy_(again.untyped_storage())
+
+        out.register_hook(refill)
+
+    norm.forward = forward
+    consumer.register_forward_hook(after_consumer)
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def _blocks(chunk: nn.Module) -> dict[str, nn.Module]:
+    return dict(chunk.layers.items()) if hasattr(chunk, "layers") else {}
+
+
+def apply_recompute(chunks: Sequence[nn.Module], model_cfg: Any, tracker: Optional[Any] = None) -> RecomputePlan:
+    """Apply the config's recompute plan to every model chunk of this rank (in place); returns the plan.
+
+    `tracker` is the RNGTracker whose streams dropout forks (None: only the default stream is used).
+    """
+    plan = RecomputePlan.from_model_config(model_cfg)
+    if plan.granularity is None:
+        return plan
+    context_fn = tracker_context_fn(tracker)
+    for chunk in chunks:
+        if getattr(chunk, _APPLIED, None) is not None:
+            raise RuntimeError("apply_recompute was already applied to this model chunk")
+        setattr(chunk, _APPLIED, plan)
+        blocks = _blocks(chunk)
+        for group in plan.full_groups(list(blocks)):
+            _checkpoint_group([blocks[i] for i in group], context_fn)
+        if plan.granularity != "selective":
+            continue
+        for block in blocks.values():
+            if "core_attn" in plan.modules:
+                _checkpoint_core_attention(block, context_fn)
+            if "mlp" in plan.modules:
+                _checkpoint_mlp(block, context_fn)
+            if "norm" in plan.modules:
+                _recompute_norm_output(block.attention_norm, block.attention)
+                _recompute_norm_output(block.mlp_norm, block.mlp)
+    return plan
+
+
+__all__ = ["RECOMPUTE_MODULES", "RecomputePlan", "apply_recompute", "checkpointed", "tracker_context_fn", "validate_recompute"]
