@@ -90,6 +90,9 @@ class LayerSpec:
     sequence_rng: Callable[[], ContextManager] = _null
     # Position offset of this rank's sequence chunk (context parallel); a function of seq length.
     position_ids: Optional[Callable[[int, torch.device], torch.Tensor]] = None
+    # Ranks that split the sequence of the hidden states between blocks (TP under sequence parallelism):
+    # a pipeline stage that receives hidden states rebuilds the full local sequence length from it.
+    sequence_shards: int = 1
 
     def __post_init__(self) -> None:
         if self.norm is None:

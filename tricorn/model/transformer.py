@@ -158,7 +158,8 @@ class GPTModel(nn.Module):
         return torch.arange(seq, device=device)
 
     def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        seq = inputs.shape[1]
+        # Hidden states from a previous pipeline stage may be sequence-sharded; token ids never are.
+        seq = inputs.shape[1] * (1 if self.pre_process else self.spec.sequence_shards)
         position_ids = self._position_ids(seq, inputs.device)
         if self.pre_process:
             x = self.tok_embeddings(inputs)

@@ -378,6 +378,7 @@ def tensor_parallel_spec(cfg: Config, tp_group: dist.ProcessGroup, tracker: RNGT
         norm=norm,
         tp_rng=fork,
         sequence_rng=fork if sp else contextlib.nullcontext,
+        sequence_shards=dist.get_world_size(tp_group) if sp else 1,
     )
 
 

@@ -22,6 +22,7 @@ from tricorn.config import Config
 from tricorn.data.base import Batch, GlobalBatchLoader
 from tricorn.parallel.context import slice_batch
 from tricorn.parallel.state import ParallelState
+from tricorn.training.batch_schedule import MicrobatchCalculator
 from tricorn.training.logging import MetricsLogger
 from tricorn.training.memory_report import write_memory_report
 from tricorn.training.lr_schedule import learning_rate
@@ -61,10 +62,8 @@ class Trainer:
     # ------------------------------------------------------------ batches
 
     def batch_sizes(self) -> tuple[int, int]:
-        """(global batch size, microbatches) for the next iteration."""
-        t = self.cfg.training
-        dp = self.state.dp_size
-        return t.global_batch_size, t.global_batch_size // (t.micro_batch_size * dp)
+        """(global batch size, microbatches) for the next iteration; grows with --rampup-batch-size."""
+        return MicrobatchCalculator.from_config(self.cfg).get(self.train_loader.consumed_samples)
 
     def _microbatches(self, batch: Batch, num_microbatches: int) -> list[Batch]:
         size = self.cfg.training.micro_batch_size

@@ -1,0 +1,147 @@
+"""Worker: the pipeline executor on real model chunks, one pipeline of WORLD_SIZE ranks.
+
+For each case (schedule, chunks per rank, microbatches, tied or not, forward-only or not) it
+checks on every rank:
+- the loss and every parameter gradient equal one process running the whole model on the
+  same microbatches (fp32), the loss scale applied exactly once, the tied embedding and head
+  copies equal after grads.reduce_tied_embedding_grads;
+- the executor ran its actions in the simulator's order and held as many microbatch
+  outputs as the simulator predicts;
+- optimizer.microbatch(is_last, chunk) wrapped every backward, is_last only on each chunk's last;
+- the P2P bytes sent are the activation size times the number of sends.
+Prints "ok" on success.
+"""
+
+import contextlib
+import os
+
+import torch
+
+from tricorn.config import config_from_args, validate
+from tricorn.data.base import Batch
+from tricorn.model.transformer import GPTModel
+from tricorn.parallel.grads import reduce_tied_embedding_grads
+from tricorn.parallel.pipeline.build import build_model_chunks
+from tricorn.parallel.pipeline.executor import PipelineExecutor
+from tricorn.parallel.pipeline.schedules import schedule_for
+from tricorn.parallel.pipeline.simulator import simulate
+from tricorn.parallel.state import init_parallel
+from tricorn.training.step import StepContext
+
+LOSS_SCALE = 8.0
+TOL = dict(rtol=1e-5, atol=1e-7)
+WORLD = int(os.environ["WORLD_SIZE"])
+
+
+class RecordingOptimizer:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool]] = []
+
+    @contextlib.contextmanager
+    def microbatch(self, is_last: bool, chunk: int):
+        self.calls.append((chunk, is_last))
+        yield
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * LOSS_SCALE
+
+
+def check(what: str, got: torch.Tensor, want: torch.Tensor, **tol) -> None:
+    torch.testing.assert_close(got, want, **tol, msg=lambda s: f"{what}: {s}")
+
+
+def make_microbatches(cfg, m: int) -> list[Batch]:
+    gen = torch.Generator().manual_seed(7)
+    b, s = cfg.training.micro_batch_size, cfg.model.seq_length
+    tokens = torch.randint(0, cfg.model.vocab_size, (m, b, s + 1), generator=gen)
+    mask = (torch.rand(m, b, s, generator=gen) > 0.2).float()  # masked positions must not count anywhere
+    return [Batch(t[:, :-1], t[:, 1:], k) for t, k in zip(tokens, mask)]
+
+
+def reference(cfg, mbs: list[Batch], num_tokens: torch.Tensor) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model = GPTModel(cfg.model, padded_vocab_size=cfg.model.padded_vocab_size(1))
+    model.init_weights(cfg.training.seed)
+    total = 0.0
+    for mb in mbs:
+        loss = (model(mb.tokens, mb.labels) * mb.loss_mask).sum() / num_tokens
+        loss.backward()
+        total += loss.item()
+    return total, dict(model.named_parameters()), {n: p.grad for n, p in model.named_parameters()}
+
+
+def run_case(pp: int, vpp: int, m: int, kind, untied: bool, forward_only: bool) -> None:
+    layers = max(4, pp * vpp)
+    argv = (
+        f"--device cpu --mock-data --vocab-size 97 --num-layers {layers} --hidden-size 32 --num-attention-heads 4 "
+        f"--seq-length 16 --max-position-embeddings 16 --micro-batch-size 2 --global-batch-size {2 * m} "
+        f"--pipeline-model-parallel-size {pp} --num-virtual-stages-per-pipeline-rank {vpp}"
+    ).split() + (["--untie-embeddings-and-output-weights"] if untied else [])
+    if kind == "gpipe":
+        argv += ["--pipeline-schedule", "gpipe"]
+    cfg = config_from_args(argv, world_size=WORLD)
+    assert not validate(cfg), validate(cfg)
+    state = init_parallel(cfg)
+    name = f"pp{pp} vpp{vpp} m{m} {kind or 'default'}{' untied' if untied else ''}{' forward-only' if forward_only else ''}"
+
+    torch.manual_seed(0)
+    chunks = build_model_chunks(cfg, None, state.pp_rank, 1, state.device)
+    executor = PipelineExecutor(cfg, state)
+    mbs = make_microbatches(cfg, m)
+    num_tokens = sum(mb.loss_mask.sum() for mb in mbs)
+    optimizer = RecordingOptimizer()
+    ctx = StepContext(optimizer, num_tokens, forward_only=forward_only)
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        total = executor(chunks, mbs, ctx)
+    ref_total, ref_params, ref_grads = reference(cfg, mbs, num_tokens)
+
+    # Loss: the sum of normalised microbatch losses on the last stage, zero elsewhere.
+    want = ref_total if state.is_last_stage else 0.0
+    assert abs(total.item() - want) <= 1e-5 * abs(ref_total), f"{name}: rank {state.pp_rank} loss {total.item()} vs {want}"
+
+    # The executor's order and memory are the simulator's.
+    schedule = schedule_for(pp, vpp, m, None if vpp > 1 else kind, forward_only)
+    sim = simulate(schedule, pp, vpp)
+    assert not sim.deadlocked, sim.report()
+    assert executor.order == sim.order[state.pp_rank], f"{name}: executor order differs from the simulator's"
+    assert executor.peak_in_flight == sim.peak_in_flight[state.pp_rank], (
+        f"{name}: held {executor.peak_in_flight} outputs, simulator {sim.peak_in_flight[state.pp_rank]}"
+    )
+    sends = sum(a.kind.is_send for a in executor.order)
+    assert executor.p2p.bytes_sent == sends * 2 * 16 * 32 * 4, f"{name}: {executor.p2p.bytes_sent} bytes for {sends} sends"
+
+    if forward_only:
+        assert optimizer.calls == [], f"{name}: forward-only touched the optimizer"
+        assert all(p.grad is None for c in chunks for p in c.parameters()), f"{name}: forward-only made gradients"
+        return
+    for c in range(vpp):
+        flags = [last for chunk, last in optimizer.calls if chunk == c]
+        assert len(flags) == m and flags[-1] and not any(flags[:-1]), f"{name}: chunk {c} is_last flags {flags}"
+
+    reduce_tied_embedding_grads(chunks, state, tied=not untied)
+    for chunk in chunks:
+        for pname, p in chunk.named_parameters():
+            # A tied head copy (last stage) equals the embedding: its value and its reduced gradient.
+            ref_name = "tok_embeddings.weight" if (pname == "output.weight" and not untied) else pname
+            where = f"{name}: rank {state.pp_rank} {pname}"
+            check(f"{where} init", p, ref_params[ref_name], rtol=0, atol=0)
+            check(f"{where} grad", p.grad / LOSS_SCALE, ref_grads[ref_name], **TOL)
+
+
+CASES = {
+    2: [
+        (2, 1, 3, "1f1b", False, False),
+        (2, 1, 4, "gpipe", True, False),
+        (2, 2, 4, None, False, False),
+        (2, 2, 2, None, True, True),
+        (2, 1, 3, "1f1b", False, True),
+    ],
+    4: [
+        (4, 1, 6, "1f1b", True, False),
+        (4, 1, 2, "1f1b", False, False),  # fewer microbatches than stages
+        (4, 2, 8, None, False, False),
+    ],
+}
+
+for case in CASES[WORLD]:
+    run_case(*case)
+print("ok")
