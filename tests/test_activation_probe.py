@@ -1,0 +1,193 @@
+"""The saved-tensor probe against the per-layer activation formula, recompute savings, de-duplication, in-flight count.
+
+Run as a script (`python tests/test_activation_probe.py tp`) it is the 2-rank worker of the TP/SP check.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tricorn.config import ModelConfig
+from tricorn.model.transformer import GPTModel
+from tricorn.parallel.recompute import apply_recompute
+from tricorn.training.activation_probe import ActivationProbe, layer_activation_bytes, layer_activation_terms
+
+B = 2  # micro batch
+
+
+def _config(s: int, h: int, **kw) -> ModelConfig:
+    """Our block: RMSNorm, SwiGLU, GQA (2 groups), RoPE."""
+    base = dict(
+        num_layers=2,
+        hidden_size=h,
+        num_attention_heads=4,
+        group_query_attention=True,
+        num_query_groups=2,
+        swiglu=True,
+        seq_length=s,
+        vocab_size=100,
+    )
+    return ModelConfig(**(base | kw))
+
+
+def _measure(cfg: ModelConfig, recompute: dict | None = None) -> ActivationProbe:
+    for key, value in (recompute or {}).items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    model = GPTModel(cfg, padded_vocab_size=128)
+    model.init_weights(1)
+    apply_recompute([model], cfg)
+    tokens = torch.randint(0, 100, (B, cfg.seq_length))
+    with ActivationProbe([model]) as probe:
+        model(tokens, tokens).mean().backward()
+    return probe
+
+
+def _formula(cfg: ModelConfig, **kw) -> float:
+    return layer_activation_bytes(cfg, seq=cfg.seq_length, micro_batch=B, **kw)
+
+
+def _within(measured: float, predicted: float, rel: float) -> None:
+    assert predicted > 0 and abs(measured - predicted) <= rel * predicted, f"measured {measured} vs formula {predicted}"
+
+
+@pytest.mark.parametrize("s, h", [(64, 64), (128, 128)])
+def test_probe_matches_formula_without_recompute(s: int, h: int) -> None:
+    cfg = _config(s, h)
+    summary = _measure(cfg).summary()
+    _within(summary.activation_bytes_per_layer, _formula(cfg), 0.10)
+    assert summary.activation_bytes_other > 0  # embedding, final norm, head and loss are counted apart
+    assert summary.activation_bytes_per_microbatch == pytest.approx(
+        2 * summary.activation_bytes_per_layer + summary.activation_bytes_other
+    )
+
+
+@pytest.mark.parametrize("s, h", [(64, 64), (32, 128)])
+def test_full_recompute_keeps_only_the_layer_input(s: int, h: int) -> None:
+    cfg = _config(s, h)
+    full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    per_layer = _measure(cfg, full).summary().activation_bytes_per_layer
+    _within(per_layer, 4 * s * B * h, 0.05)  # fp32 layer input
+
+
+@pytest.mark.parametrize(
+    "modules, dropout",
+    [(["core_attn"], 0.0), (["core_attn"], 0.1), (["mlp"], 0.0), (["norm"], 0.0), (["core_attn", "mlp", "norm"], 0.1)],
+)
+def test_selective_saves_what_the_formula_says(modules: list[str], dropout: float) -> None:
+    """attention dropout > 0 takes torch's math SDPA on CPU: there core_attn drops the s x s tensors."""
+    cfg = _config(64, 64, attention_dropout=dropout)
+    none = _measure(_config(64, 64, attention_dropout=dropout)).summary().activation_bytes_per_layer
+    selective = _measure(cfg, dict(recompute_granularity="selective", recompute_modules=modules)).summary()
+    saved = none - selective.activation_bytes_per_layer
+    predicted = _formula(cfg) - _formula(cfg, recompute="selective", recompute_modules=modules)
+    assert saved > 0
+    _within(saved, predicted, 0.10)
+
+
+def test_formula_agrees_with_korthikanti_style_terms() -> None:
+    """TP divides the TP region, SP the norms too; selective and full remove their terms."""
+    cfg = _config(256, 128, hidden_dropout=0.1)
+    kw = dict(seq=256, micro_batch=B, precision="bf16", device="cuda")
+    one = layer_activation_terms(cfg, **kw)
+    tp = layer_activation_terms(cfg, **kw, tp=4)
+    sp = layer_activation_terms(cfg, **kw, tp=4, sequence_parallel=True)
+    assert tp.mlp == one.mlp / 4 and tp.qkv == one.qkv / 4 and tp.norm_inputs == one.norm_inputs
+    assert sp.norm_inputs == one.norm_inputs / 4 and sp.dropout_masks == one.dropout_masks / 4
+    assert sp.linear_inputs == one.linear_inputs  # the column-parallel linears keep the all-gathered input
+    full_sp = layer_activation_bytes(cfg, **kw, tp=4, sequence_parallel=True, recompute="full")
+    assert full_sp == 2 * 256 * B * 128 / 4
+
+
+def test_formula_is_consistent_with_the_memory_estimator() -> None:
+    """planning/memory.py's TRICORN profile models the same block; where both apply they must agree."""
+    memory = pytest.importorskip("tricorn.planning.memory")
+    cfg = _config(128, 64, hidden_dropout=0.1)
+    for device, precision in (("cpu", "fp32"), ("cuda", "bf16")):
+        for recompute, modules in ((None, ()), ("selective", ("core_attn",)), ("selective", ("mlp",)), ("full", ())):
+            for tp in (1, 2):
+                kw = dict(seq=128, micro_batch=B, tp=tp, recompute=recompute, recompute_modules=modules, precision=precision)
+                ours = layer_activation_bytes(cfg, device=device, **kw)
+                theirs = memory.layer_activation_bytes(cfg, device=device, **kw)
+                assert ours == pytest.approx(theirs), (device, precision, recompute, modules, tp)
+
+
+# ---------------------------------------------------------------- probe mechanics
+
+
+class _Views(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2  # mul by a constant saves nothing
+        a, b = y[:, :4], y[:, 4:]  # views of y's storage, each saved by its own op
+        return (a * a).sum() + (b * b).sum()
+
+
+def test_views_of_one_storage_count_once() -> None:
+    x = torch.randn(16, 8, requires_grad=True)
+    with ActivationProbe([_Views()]) as probe:
+        probe.chunks[0](x).backward()
+    assert probe.summary().activation_bytes_other == 16 * 8 * 4
+
+
+def test_peak_microbatches_in_flight() -> None:
+    cfg = _config(16, 32)
+    model = GPTModel(cfg, padded_vocab_size=128)
+    tokens = torch.randint(0, 100, (B, 16))
+    with ActivationProbe([model]) as gpipe:
+        losses = [model(tokens, tokens).mean() for _ in range(3)]  # all forwards, then all backwards
+        for loss in losses:
+            loss.backward()
+    assert gpipe.summary().peak_microbatches_in_flight == 3
+    with ActivationProbe([model], max_forwards=2) as one_at_a_time:
+        for _ in range(3):
+            model(tokens, tokens).mean().backward()
+    assert one_at_a_time.summary().peak_microbatches_in_flight == 1
+    assert len(one_at_a_time.records) == 2
+    with torch.no_grad(), ActivationProbe([model]) as no_grad:
+        model(tokens, tokens)
+    assert not no_grad.records
+
+
+# ---------------------------------------------------------------- TP / SP on 2 ranks
+
+
+def test_tp_and_sp_match_the_formula() -> None:
+    from harness import run_script
+
+    out = run_script(Path(__file__), 2, ["tp"])
+    assert "ok tp" in out and "ok sp" in out, out
+
+
+def _tp_worker() -> None:
+    import torch.distributed as dist
+
+    from tricorn.config import Config
+    from tricorn.parallel.tensor import RNGTracker, tensor_parallel_spec
+
+    dist.init_process_group("gloo")
+    tracker = RNGTracker(torch.device("cpu"))
+    tracker.add(RNGTracker.TP, 5 + dist.get_rank())
+    for sp in (False, True):
+        cfg = Config()
+        cfg.model = _config(64, 64)
+        cfg.parallel.tensor_model_parallel_size = 2
+        cfg.parallel.sequence_parallel = sp
+        model = GPTModel(cfg.model, tensor_parallel_spec(cfg, dist.group.WORLD, tracker), padded_vocab_size=256)
+        model.init_weights(1)
+        tokens = torch.randint(0, 100, (B, 64), generator=torch.Generator().manual_seed(0))
+        with ActivationProbe([model]) as probe:
+            model(tokens, tokens).mean().backward()
+        measured = probe.summary().activation_bytes_per_layer
+        predicted = layer_activation_bytes(cfg.model, seq=64, micro_batch=B, tp=2, sequence_parallel=sp)
+        assert abs(measured - predicted) <= 0.10 * predicted, f"sp={sp}: measured {measured} vs formula {predicted}"
+        print(f"ok {'sp' if sp else 'tp'} {measured} {predicted}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["tp"]:
+    _tp_worker()
