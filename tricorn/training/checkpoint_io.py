@@ -1,0 +1,328 @@
+"""Files of a checkpoint: names, atomic writes, safe reading, damage checks, retention.
+
+A save directory holds
+
+    latest_checkpointed_iteration.txt   the newest complete iteration (Megatron's name)
+    iter_0000100/                        one complete checkpoint
+        .metadata  __<rank>_0.distcp     torch.distributed.checkpoint (DCP) files: every tensor
+                                         under its global name and global shape
+        meta.json                        iteration, consumed samples, loss scaler, layout, ...
+        config.yaml                      the resolved config of the run that saved it
+        rng/<grid position>.json         RNG states of each rank, keyed by pp/dp/cp/tp position
+    iter_0000200.tmp-<token>/            a save in progress (never loaded)
+
+Nothing here runs a collective; every check is a file check that each rank
+can make on its own before any collective load starts, so a damaged
+checkpoint is one clear error on every rank instead of a hang or a traceback.
+Reading never unpickles arbitrary objects: DCP's `.metadata` pickle goes
+through an allowlist of DCP's own metadata classes, tensors are read with
+`torch.load(weights_only=True)` (DCP's reader), and byte blobs are refused.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from tricorn.config import ModelConfig
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+META_FILE = "meta.json"
+CONFIG_FILE = "config.yaml"
+RNG_DIR = "rng"
+DCP_METADATA = ".metadata"
+FORMAT_VERSION = 1
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_TMP_MARK = ".tmp-"
+
+# Test hook: "ITER:RANK" kills that rank with SIGKILL right after it wrote its shard file of
+# iteration ITER's save, before the checkpoint is complete. Tests use it; nothing else may.
+KILL_DURING_SAVE = "TRICORN_TEST_KILL_DURING_SAVE"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message is one line naming the file."""
+
+
+def iter_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write next to `path`, flush to disk, then rename over it: readers see the old or the new file, never half."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- safe reading
+
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    allowed: dict[tuple[str, str], Any] = {}
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    ):
+        allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict
+    for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+        allowed[("pathlib", name)] = getattr(pathlib, name)
+    return allowed
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """DCP's metadata classes, torch dtypes and paths; anything else is refused (no code runs)."""
+
+    allowed = _allowed_globals()
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.allowed:
+            return self.allowed[(module, name)]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+def read_dcp_metadata(ckpt: Path):
+    """DCP's Metadata of checkpoint directory `ckpt`, unpickled through the allowlist."""
+    path = ckpt / DCP_METADATA
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint damaged: {path} is missing; pick another iteration with --ckpt-step")
+    try:
+        with open(path, "rb") as fh:
+            return _SafeUnpickler(fh).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, TypeError, IndexError) as e:
+        raise CheckpointError(
+            f"checkpoint damaged: {path} cannot be read ({e}); pick another iteration with --ckpt-step"
+        ) from None
+
+
+class SafeReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        md = read_dcp_metadata(Path(self.path))
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        md.storage_meta = md.storage_meta or StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        raise CheckpointError(f"checkpoint holds a pickled object under {read_item.dest_index.fqn!r}; tricorn never loads those")
+
+
+class Writer(FileSystemWriter):
+    """DCP's file writer (one file per rank, fsync'ed) plus the kill-during-save test hook."""
+
+    def __init__(self, path: Path, iteration: int, rank: int):
+        super().__init__(str(path), single_file_per_rank=True, sync_files=True, overwrite=True)
+        self.iteration, self.rank = iteration, rank
+
+    def write_data(self, plan, planner):
+        fut = super().write_data(plan, planner)
+        hook = os.environ.get(KILL_DURING_SAVE, "")
+        if hook and hook == f"{self.iteration}:{self.rank}":
+            fut.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return fut
+
+
+# ---------------------------------------------------------------- finding and checking
+
+
+def is_complete(path: Path) -> bool:
+    return _ITER_RE.match(path.name) is not None and (path / DCP_METADATA).is_file() and (path / META_FILE).is_file()
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _ITER_RE.match(p.name)) and is_complete(p)]
+    return sorted(found)
+
+
+def find_checkpoint(root: Path, ckpt_step: Optional[int]) -> tuple[Optional[Path], str]:
+    """(checkpoint directory or None for a fresh start, a note for the log)."""
+    if ckpt_step is not None:
+        path = root / iter_name(ckpt_step)
+        if not path.is_dir():
+            raise CheckpointError(f"--ckpt-step {ckpt_step}: {path} does not exist")
+        return path, f"loading {path} (--ckpt-step)"
+    latest = root / LATEST_FILE
+    if latest.is_file():
+        text = latest.read_text().strip()
+        if not text.isdigit():
+            raise CheckpointError(f"checkpoint damaged: {latest} holds {text[:40]!r}, not an iteration number")
+        path = root / iter_name(int(text))
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint damaged: {latest} points to iteration {int(text)} but {path} does not exist")
+        return path, f"loading {path} ({LATEST_FILE})"
+    done = complete_checkpoints(root)
+    if done:  # a crash between the rename and the update of `latest`
+        return done[-1][1], f"loading {done[-1][1]} (newest complete checkpoint; {latest} is missing)"
+    return None, f"no checkpoint in {root}: starting from scratch"
+
+
+SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_size",
+    "num_attention_heads",
+    "kv_heads",
+    "vocab_size",
+    "swiglu",
+    "disable_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "position_embedding_type",
+    "normalization",
+)
+
+
+def model_shape(m: ModelConfig) -> dict[str, Any]:
+    shape = {k: getattr(m, k) for k in SHAPE_FIELDS}
+    if m.position_embedding_type == "learned_absolute":
+        shape["max_positions"] = m.max_positions
+    return shape
+
+
+def check_config(ckpt: Path, model: ModelConfig) -> None:
+    import yaml
+
+    path = ckpt / CONFIG_FILE
+    try:
+        saved = (yaml.safe_load(path.read_text()) or {}).get("model", {})
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        theirs = model_shape(ModelConfig(**{k: v for k, v in saved.items() if k in known}))
+    except (OSError, yaml.YAMLError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint damaged: {path} cannot be read ({e})") from None
+    ours = model_shape(model)
+    diff = [f"{k} {theirs.get(k)} (checkpoint) vs {v} (this run)" for k, v in ours.items() if theirs.get(k) != v]
+    if diff:
+        raise CheckpointError(f"{path} describes a different model: {'; '.join(diff)}; use the model flags it was saved with")
+
+
+def read_meta(ckpt: Path) -> dict:
+    path = ckpt / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint damaged: {path} cannot be read ({e})") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')} is not {FORMAT_VERSION}")
+    return meta
+
+
+def check_files(ckpt: Path, md) -> None:
+    """Every shard file the metadata refers to exists and is long enough."""
+    need: dict[str, int] = {}
+    for info in md.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        path = ckpt / rel
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint damaged: shard file {path} is missing; pick another iteration with --ckpt-step")
+        have = path.stat().st_size
+        if have < size:
+            raise CheckpointError(f"checkpoint damaged: shard file {path} is truncated ({have} bytes, needs {size})")
+
+
+def verify_checkpoint(ckpt: Path, model: ModelConfig) -> tuple[dict, Any]:
+    """(meta, DCP metadata) of `ckpt` after the file checks; CheckpointError naming the file otherwise."""
+    meta = read_meta(ckpt)
+    check_config(ckpt, model)
+    md = read_dcp_metadata(ckpt)
+    check_files(ckpt, md)
+    return meta, md
+
+
+# ---------------------------------------------------------------- RNG states as JSON
+
+
+def encode_rng(states: dict[str, torch.Tensor]) -> str:
+    return json.dumps({k: base64.b64encode(v.cpu().numpy().tobytes()).decode() for k, v in states.items()})
+
+
+def decode_rng(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        data = json.loads(path.read_text())
+        return {k: torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8) for k, v in data.items()}
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint damaged: {path} cannot be read ({e})") from None
+
+
+# ---------------------------------------------------------------- retention and inspection
+
+
+def prune(root: Path, keep: int, newest: int) -> list[Path]:
+    """Delete complete checkpoints older than the `keep` newest; `newest` (just completed) always stays."""
+    done = [(it, p) for it, p in complete_checkpoints(root) if it != newest]
+    doomed = [p for _, p in done[: max(len(done) - (keep - 1), 0)]]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def remove_stale_tmp(root: Path) -> None:
+    """Leftovers of saves that never completed (a crash or a kill); only called while no save runs."""
+    if root.is_dir():
+        for p in root.iterdir():
+            if _TMP_MARK in p.name and p.name.startswith("iter_") and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def tmp_dir(root: Path, iteration: int, token: str) -> Path:
+    return root / f"{iter_name(iteration)}{_TMP_MARK}{token}"
+
+
+def read_tensors(ckpt: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint at its global shape, in this process (no process group): for tests and tools."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = read_dcp_metadata(ckpt)
+    out = {
+        k: torch.zeros(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)
+    }
+    dcp.load(out, storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner(), no_dist=True)
+    return out
