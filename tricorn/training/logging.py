@@ -319,11 +319,7 @@ class MetricsLogger:
         if not results:
             return
         last = results[-1]
-        for r in results:
-            if self._warmed_up:
-                self._iter_seconds += r.seconds
-                self._iter_count += 1
-            self._warmed_up = True
+        self.observe_iterations(results)
         seconds = sum(r.seconds for r in results)
         n = len(results)
         good = [r.loss for r in results if not r.skipped and math.isfinite(r.loss)]
@@ -416,17 +412,28 @@ class MetricsLogger:
         if phase_times:
             self.console(_timers_line(phase_times, min_max))
 
+    def observe_iterations(self, results: list[Any]) -> None:
+        """Feed the ETA's pace: the seconds of each training iteration (the run's first one is left out)."""
+        for r in results:
+            if self._warmed_up:
+                self._iter_seconds += r.seconds
+                self._iter_count += 1
+            self._warmed_up = True
+
     def observe_evaluation(self, seconds: float) -> None:
         self._eval_seconds += seconds
         self._eval_count += 1
 
     def eta_seconds(self, trainer: Any) -> float:
-        """Remaining iterations at the mean pace so far (the first, warm-up iteration excluded), plus remaining evaluations."""
+        """Remaining iterations at the mean pace so far (the first, warm-up iteration excluded), plus remaining evaluations.
+
+        Called after iteration ``trainer.iteration`` and before its evaluation, so that evaluation still counts.
+        """
         t, d = self.cfg.training, self.cfg.data
         pace = self._iter_seconds / self._iter_count if self._iter_count else trainer.history[-1].seconds
         eta = max(t.train_iters - trainer.iteration, 0) * pace
         if getattr(trainer, "valid_loader", None) is not None and d.eval_interval:
-            evals = t.train_iters // d.eval_interval - trainer.iteration // d.eval_interval
+            evals = t.train_iters // d.eval_interval - (trainer.iteration - 1) // d.eval_interval
             # Before the first evaluation, guess: a forward is about a third of a training iteration.
             per_eval = self._eval_seconds / self._eval_count if self._eval_count else d.eval_iters * pace / 3
             eta += max(evals, 0) * per_eval
