@@ -27,6 +27,7 @@ from tricorn.training.logging import MetricsLogger
 from tricorn.training.memory_report import write_memory_report
 from tricorn.training.lr_schedule import learning_rate
 from tricorn.training.step import StepContext, forward_backward_no_pipelining
+from tricorn.training.timers import DATA_LOADING, FORWARD_BACKWARD, GRADS_REDUCE_WAIT, OPTIMIZER_STEP, Timers
 
 
 class NaNError(RuntimeError):
@@ -57,6 +58,7 @@ class Trainer:
     forward_backward: Callable = forward_backward_no_pipelining
     iteration: int = 0
     history: list = field(default_factory=list)
+    timers: Timers = field(default_factory=Timers.disabled)  # phase timers (--timing-log-level); main.py passes them
     skipped_iterations: int = 0  # optimizer steps skipped for fp16 overflow, this run
 
     # ------------------------------------------------------------ batches
@@ -91,16 +93,20 @@ class Trainer:
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
-        ctx = StepContext(optimizer=self.optimizer, num_tokens=self._global_tokens(batch), prepare=self._cp_slice)
-        local_loss = self.forward_backward(self.chunks, self._microbatches(batch, num_microbatches), ctx)
-        self.optimizer.finish_grad_sync()
-        info = self.optimizer.step()
+        ctx = StepContext(self.optimizer, self._global_tokens(batch), prepare=self._cp_slice, timers=self.timers)
+        with self.timers(FORWARD_BACKWARD):
+            local_loss = self.forward_backward(self.chunks, self._microbatches(batch, num_microbatches), ctx)
+        with self.timers(GRADS_REDUCE_WAIT):
+            self.optimizer.finish_grad_sync()
+        with self.timers(OPTIMIZER_STEP):
+            info = self.optimizer.step()
         return self._reduce_loss(local_loss), info
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
         if self.valid_loader is None:
             return None
+        start = time.perf_counter()
         for chunk in self.chunks:
             chunk.eval()
         gbs, nmb = self.batch_sizes()
@@ -109,6 +115,7 @@ class Trainer:
             batch = self.valid_loader.next(gbs)
             ctx = StepContext(self.optimizer, self._global_tokens(batch), forward_only=True, prepare=self._cp_slice)
             total += self._reduce_loss(self.forward_backward(self.chunks, self._microbatches(batch, nmb), ctx))
+        self.logger.observe_evaluation(time.perf_counter() - start)  # the ETA counts the remaining evaluations
         return total / self.cfg.data.eval_iters
 
     def run_iteration(self) -> IterationResult:
@@ -117,7 +124,8 @@ class Trainer:
         gbs, nmb = self.batch_sizes()
         lr = learning_rate(self.cfg.training, self.iteration)
         self.optimizer.set_lr(lr)
-        batch = self.train_loader.next(gbs)
+        with self.timers(DATA_LOADING):
+            batch = self.train_loader.next(gbs)
         loss, info = self.train_step(batch, nmb)
         if self.state.device.type == "cuda":
             torch.cuda.synchronize()
@@ -128,33 +136,8 @@ class Trainer:
         return result
 
     def log(self, r: IterationResult) -> None:
-        tokens = r.global_batch_size * self.cfg.model.seq_length
-        values = {
-            "lm loss": r.loss,
-            "learning-rate": r.lr,
-            "grad-norm": r.grad_norm,
-            "iteration-time": r.seconds,
-            "batch-size": r.global_batch_size,
-            "tokens-per-sec": tokens / r.seconds,
-            "loss-scale": r.loss_scale,
-            "skipped-iterations": self.skipped_iterations,
-        }
-        self.logger.scalars(self.iteration, values)
-        self.logger.record(
-            self.iteration,
-            {
-                "loss": r.loss,
-                "grad_norm": r.grad_norm,
-                "lr": r.lr,
-                "skipped": r.skipped,
-                "loss_scale": r.loss_scale,
-                "batch_size": r.global_batch_size,
-            },
-        )
-        self.logger.console(
-            f"iteration {self.iteration:>6}/{self.cfg.training.train_iters} | lm loss {r.loss:.6E} | lr {r.lr:.3E} | "
-            f"grad norm {r.grad_norm:.4f} | {1000 * r.seconds:.1f} ms/iter | {tokens / r.seconds:.0f} tokens/s"
-        )
+        """Console line, TensorBoard and metrics of the iterations since the last log (logging.py); all ranks call it."""
+        self.logger.log_iteration(self)
 
     def train(self) -> list[IterationResult]:
         t, d = self.cfg.training, self.cfg.data
@@ -171,9 +154,5 @@ class Trainer:
         return self.history
 
     def log_validation(self, loss: Optional[float]) -> None:
-        if loss is None:
-            return
-        ppl = math.exp(min(loss, 20.0))
-        self.logger.scalars(self.iteration, {"lm loss validation": loss, "lm loss validation ppl": ppl})
-        self.logger.record(self.iteration, {"valid_loss": loss, "valid_ppl": ppl})
-        self.logger.console(f"validation at iteration {self.iteration} | lm loss {loss:.6E} | ppl {ppl:.3f}")
+        if loss is not None:
+            self.logger.log_validation(self.iteration, loss, self.train_loader.consumed_samples)

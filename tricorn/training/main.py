@@ -103,19 +103,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     from tricorn.parallel.state import destroy_parallel, init_parallel
     from tricorn.training.logging import MetricsLogger
     from tricorn.training.loop import NaNError, Trainer
+    from tricorn.training.timers import Timers
 
     state = init_parallel(cfg)
-    logger = MetricsLogger(cfg, state.rank)
+    logger = MetricsLogger(cfg, state.rank, state.device)
     try:
         chunks, optimizer, forward_backward, _ = build(cfg, state)
         train_loader, valid_loader = build_loaders(cfg, state)
-        p = cfg.parallel
-        logger.console(
-            f"tricorn: world {state.world_size} = TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x "
-            f"CP {p.context_parallel_size} x DP {state.dp_size} | device {cfg.device} | "
-            f"{sum(x.numel() for c in chunks for x in c.parameters()):,} parameters on rank 0"
-        )
-        trainer = Trainer(cfg, state, chunks, optimizer, train_loader, valid_loader, logger, forward_backward)
+        timers = Timers(cfg.logging.timing_log_level, state.device)
+        trainer = Trainer(cfg, state, chunks, optimizer, train_loader, valid_loader, logger, forward_backward, timers=timers)
+        logger.startup(state, chunks, trainer.batch_sizes())  # layout, parameters, FLOPs, memory estimate
         trainer.train()
     except (NaNError, DataError) as e:
         print(f"tricorn: error: {e}", file=sys.stderr)
