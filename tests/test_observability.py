@@ -50,11 +50,9 @@ def flags(tmp: Path, name: str, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("obs")
-    pp2 = run_layout(
-        flags(tmp, "pp2", "--pipeline-model-parallel-size", "2", "--timing-log-level", "2", "--peak-tflops", "1.0"),
-        2,
-        tmp / "pp2",
-    )
+    extra = ["--pipeline-model-parallel-size", "2", "--timing-log-level", "2", "--peak-tflops", "1.0"]
+    extra += ["--save", str(tmp / "pp2" / "ckpt"), "--save-interval", "5"]
+    pp2 = run_layout(flags(tmp, "pp2", *extra), 2, tmp / "pp2")
     single = run_layout(flags(tmp, "single"), 1, tmp / "single")
     return {"pp2": (pp2, tmp / "pp2"), "single": (single, tmp / "single")}
 
@@ -81,6 +79,9 @@ def test_every_tag_once_per_logged_iteration(runs: dict) -> None:
     for phase in PHASE_TAGS:  # timing level 2: per-phase times with min/max over ranks
         for suffix in ("-time", "-time-min", "-time-max"):
             assert len(values.get(phase + suffix, [])) == ITERS, phase + suffix
+    # The checkpoint hook (exit checks, and the save after iteration 5) runs after the log: it shows one log later.
+    stall = dict(values.get("checkpoint-stall-time-max", []))
+    assert sorted(stall) == list(range(2, ITERS + 1)) and stall[6] == max(stall.values()) > 0
     assert "config/text_summary" in text_tags
     v = {tag: [x for _, x in values[tag]] for tag in values}
     assert all(x > 0 for x in v["throughput"] + v["tokens-per-sec"] + v["mem-allocated-bytes"] + v["iteration-time"])

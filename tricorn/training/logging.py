@@ -8,7 +8,7 @@ info messages, warnings, an uncaught traceback); rank 0 also writes ``config.yam
 
 Metrics per logged iteration (averaged over the iterations since the previous log, as Megatron
 does): lm loss, learning-rate, batch-size, grad-norm, params-norm (--log-params-norm), loss-scale,
-skipped-iterations, iteration-time (s), throughput (model TFLOP/s per device), tokens-per-sec,
+skipped-iterations (so far in this run), iteration-time (s), throughput (model TFLOP/s per device), tokens-per-sec,
 mfu (percent; needs a peak: the GPU table or --peak-tflops), mem-allocated-bytes and
 mem-max-allocated-bytes (CUDA allocator; process RSS on CPU; the largest rank), and with
 --timing-log-level >= 1 "<phase>-time" (s per iteration; level 2 adds -min/-max over ranks).
@@ -351,7 +351,7 @@ class MetricsLogger:
             "batch-size": last.global_batch_size,
             "grad-norm": last.grad_norm,
             "loss-scale": last.loss_scale,
-            "skipped-iterations": skipped,
+            "skipped-iterations": getattr(trainer, "skipped_iterations", skipped),  # this run so far (the console: interval)
             "iteration-time": seconds / n,
             "throughput": tflops,
             "tokens-per-sec": tokens / seconds,
