@@ -48,6 +48,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -111,7 +112,9 @@ class Checkpointer:
         c = cfg.checkpoint
         self.root = Path(c.save) if c.save else None
         # A separate gloo group: async saves run DCP's collectives on a thread while training uses the others.
-        self.group = dist.new_group(backend="gloo") if (c.save or c.load) else None
+        # Its own timeout too: a peer that dies mid-save is an error after --distributed-timeout-minutes, not a hang.
+        timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if (c.save or c.load) else None
         self.executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.pending: Optional[concurrent.futures.Future] = None
         self.last_saved: Optional[int] = None

@@ -30,6 +30,7 @@ import pickle
 import re
 import shutil
 import signal
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -324,5 +325,7 @@ def read_tensors(ckpt: Path, prefix: str = "") -> dict[str, torch.Tensor]:
         for k, v in md.state_dict_metadata.items()
         if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)
     }
-    dcp.load(out, storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(out, storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner(), no_dist=True)
     return out
