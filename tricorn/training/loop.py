@@ -24,10 +24,17 @@ from tricorn.parallel.context import slice_batch
 from tricorn.parallel.state import ParallelState
 from tricorn.training.batch_schedule import MicrobatchCalculator
 from tricorn.training.logging import MetricsLogger
-from tricorn.training.memory_report import write_memory_report
 from tricorn.training.lr_schedule import learning_rate
+from tricorn.training.memory_report import write_memory_report
 from tricorn.training.step import StepContext, forward_backward_no_pipelining
-from tricorn.training.timers import DATA_LOADING, FORWARD_BACKWARD, GRADS_REDUCE_WAIT, OPTIMIZER_STEP, Timers
+from tricorn.training.timers import (
+    CHECKPOINT_STALL,
+    DATA_LOADING,
+    FORWARD_BACKWARD,
+    GRADS_REDUCE_WAIT,
+    OPTIMIZER_STEP,
+    Timers,
+)
 
 
 class NaNError(RuntimeError):
@@ -60,6 +67,8 @@ class Trainer:
     history: list = field(default_factory=list)
     timers: Timers = field(default_factory=Timers.disabled)  # phase timers (--timing-log-level); main.py passes them
     skipped_iterations: int = 0  # optimizer steps skipped for fp16 overflow, this run
+    # Called after each iteration (checkpoint.py: save at --save-interval, exit conditions); True stops training.
+    on_iteration_end: Optional[Callable[[Trainer], bool]] = None
 
     # ------------------------------------------------------------ batches
 
@@ -151,6 +160,11 @@ class Trainer:
                 self.log(result)
             if self.valid_loader is not None and d.eval_interval and self.iteration % d.eval_interval == 0:
                 self.log_validation(self.evaluate())
+            if self.on_iteration_end is not None:
+                with self.timers(CHECKPOINT_STALL):  # shows in the next log: this iteration's line is already out
+                    stop = self.on_iteration_end(self)
+                if stop:
+                    break
         return self.history
 
     def log_validation(self, loss: Optional[float]) -> None:

@@ -101,23 +101,33 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     from tricorn.data.errors import DataError
     from tricorn.parallel.state import destroy_parallel, init_parallel
+    from tricorn.training.checkpoint import Checkpointer, CheckpointError
     from tricorn.training.logging import MetricsLogger
     from tricorn.training.loop import NaNError, Trainer
+    from tricorn.training.signals import ExitConditions
     from tricorn.training.timers import Timers
 
+    exits = ExitConditions(cfg)  # from here on --exit-signal means "save and exit 0", not "die"
     state = init_parallel(cfg)
     logger = MetricsLogger(cfg, state.rank, state.device)
+    ckpt = None
     try:
-        chunks, optimizer, forward_backward, _ = build(cfg, state)
+        chunks, optimizer, forward_backward, tracker = build(cfg, state)
         train_loader, valid_loader = build_loaders(cfg, state)
         timers = Timers(cfg.logging.timing_log_level, state.device)
         trainer = Trainer(cfg, state, chunks, optimizer, train_loader, valid_loader, logger, forward_backward, timers=timers)
         logger.startup(state, chunks, trainer.batch_sizes())  # layout, parameters, FLOPs, memory estimate
+        ckpt = Checkpointer(cfg, state, tracker, logger.console)
+        ckpt.load(trainer)  # --load: model, optimizer, data position, RNG (any saved layout)
+        trainer.on_iteration_end = ckpt.iteration_hook(exits)
         trainer.train()
-    except (NaNError, DataError) as e:
+        ckpt.finish(trainer)  # the final save, and the wait for a background one
+    except (NaNError, DataError, CheckpointError) as e:
         print(f"tricorn: error: {e}", file=sys.stderr)
         return 1
     finally:
+        if ckpt is not None:
+            ckpt.close()
         logger.close()
         destroy_parallel()
     return 0
