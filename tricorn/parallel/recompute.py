@@ -15,8 +15,9 @@ Flags (Megatron names):
 
 Mechanics. Full and core_attn/mlp use ``torch.utils.checkpoint`` (non-reentrant): the forward runs
 once without keeping the region's intermediates, and the first backward access re-runs it. A group of N
-layers is checkpointed as one region: the group's first layer runs the whole group and the others pass
-their input through, so parameter names, the layer ModuleDict and module hooks stay as they were.
+layers is checkpointed as one region: the group's first layer runs the whole group (calling the others as
+modules, so their hooks fire) and the others then pass their input through, so parameter names and the
+layer ModuleDict stay as they were.
 
 RNG: checkpoint restores the default RNG stream for the recomputation, but the tensor-parallel dropout
 stream lives in the RNG tracker (``tricorn.parallel.tensor.RNGTracker``). Each checkpoint snapshots the
@@ -172,22 +173,37 @@ def checkpointed(fn: Callable[..., Any], context_fn: Callable) -> Callable[..., 
 # ---------------------------------------------------------------- full recompute
 
 
-def _passthrough(x: torch.Tensor, *_: Any) -> torch.Tensor:
-    return x
+class _LayerGroup:
+    """N consecutive layers recomputed as one region.
 
+    The decoder calls every layer in turn. The first layer's call runs the whole group under one checkpoint,
+    calling the other layers as modules (so their hooks - ZeRO-3's gather, the activation probe - fire in
+    forward and in the recomputation); when the decoder then calls those layers, they hand their input on.
+    """
 
-def _checkpoint_group(layers: list[nn.Module], context_fn: Callable) -> None:
-    """The group's first layer runs all of it under one checkpoint; the others hand their input on."""
-    forwards = [layer.forward for layer in layers]
+    def __init__(self, layers: list[nn.Module], context_fn: Callable):
+        self.layers = layers
+        self.forwards = [layer.forward for layer in layers]
+        self.running = False
+        layers[0].forward = checkpointed(self._run, context_fn)
+        for forward, layer in zip(self.forwards[1:], layers[1:]):
+            layer.forward = self._member(forward)
 
-    def run_group(x: torch.Tensor, *args: Any) -> torch.Tensor:
-        for forward in forwards:
-            x = forward(x, *args)
+    def _run(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        self.running = True
+        try:
+            x = self.forwards[0](x, *args)  # layer 0's own hooks are already around this call
+            for layer in self.layers[1:]:
+                x = layer(x, *args)
+        finally:
+            self.running = False
         return x
 
-    layers[0].forward = checkpointed(run_group, context_fn)
-    for layer in layers[1:]:
-        layer.forward = _passthrough
+    def _member(self, forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def run(x: torch.Tensor, *args: Any) -> torch.Tensor:
+            return forward(x, *args) if self.running else x
+
+        return run
 
 
 # ---------------------------------------------------------------- selective recompute
@@ -263,7 +279,7 @@ def apply_recompute(chunks: Sequence[nn.Module], model_cfg: Any, tracker: Option
         setattr(chunk, _APPLIED, plan)
         blocks = _blocks(chunk)
         for group in plan.full_groups(list(blocks)):
-            _checkpoint_group([blocks[i] for i in group], context_fn)
+            _LayerGroup([blocks[i] for i in group], context_fn)
         if plan.granularity != "selective":
             continue
         for block in blocks.values():
