@@ -279,7 +279,10 @@ class Checkpointer:
         """Best effort on error paths: let an in-flight save of earlier, healthy state complete."""
         try:
             self.wait()
-        except Exception as e:  # noqa: BLE001 - reported, the original error is what matters
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException (a peer died mid-save) is one
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            # Reported only: the error that brought us here is what matters.
             print(f"tricorn: warning: the background checkpoint save failed: {e}", flush=True)
         if self.executor is not None:
             self.executor.shutdown(wait=True)
@@ -317,8 +320,6 @@ class Checkpointer:
         return buf, _to_global(buf, p, self.state.mesh["tp"])
 
     def _load_tensors(self, trainer, path: Path, md, load_optim: bool, meta: dict) -> None:
-        import torch.distributed.checkpoint as dcp
-
         params = _named_params(trainer.chunks)
         owned = {id(ps.param): ps for ps in trainer.optimizer.sharded_param_state()}
         keys = md.state_dict_metadata
@@ -338,7 +339,7 @@ class Checkpointer:
             weights[id(p)] = want(master if master in keys else f"model.{name}", p)
             if load_optim and id(p) in owned:
                 moments[id(p)] = {f: want(f"optim.{name}.{f}", p) for f in MOMENTS}
-        dcp.load(targets, storage_reader=io.SafeReader(str(path)), planner=io.SafeLoadPlanner(), process_group=self.group)
+        io.dcp_load(targets, path, self.group)
         for key, t in targets.items():  # DCP writes through the real-row views; copy where a wrapper did not alias
             info, local = shard_info(sources[key]), _local_of(t)
             real = bufs[key] if info is None else bufs[key].narrow(info.dim, 0, info.real_range()[1])

@@ -314,9 +314,27 @@ def tmp_dir(root: Path, iteration: int, token: str) -> Path:
     return root / f"{iter_name(iteration)}{_TMP_MARK}{token}"
 
 
+def dcp_load(targets: dict[str, torch.Tensor], ckpt: Path, group=None, no_dist: bool = False) -> None:
+    """DCP load through the safe reader and planner; a failure on any rank becomes one line naming `ckpt`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # no_dist: "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(
+                targets, storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner(), process_group=group, no_dist=no_dist
+            )
+    except CheckpointException as e:  # a BaseException holding (exception, traceback) per failed rank
+        rank, (exc, _) = next(iter(e.failures.items()))
+        if isinstance(exc, CheckpointError):
+            raise exc from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint damaged: reading {ckpt} failed on rank {rank}: {first}") from None
+
+
 def read_tensors(ckpt: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint at its global shape, in this process (no process group): for tests and tools."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     md = read_dcp_metadata(ckpt)
@@ -325,7 +343,5 @@ def read_tensors(ckpt: Path, prefix: str = "") -> dict[str, torch.Tensor]:
         for k, v in md.state_dict_metadata.items()
         if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)
     }
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(out, storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner(), no_dist=True)
+    dcp_load(out, ckpt, no_dist=True)
     return out
