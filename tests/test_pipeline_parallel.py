@@ -2,12 +2,13 @@
 
 The issue's acceptance layouts (PP=2, PP=4, PP=2 with 2 virtual stages, PP=2xTP=2, PP=2xDP=2,
 PP=2xTP=2xDP=2), each with tied and untied embeddings, on the Foundation flags plus
---num-layers 4 --global-batch-size 8; plus an uneven split with GPipe on an odd pipeline, and a
-batch-size ramp-up under CP (combined to keep the run count down).
+--num-layers 4 --global-batch-size 8; plus an uneven split with GPipe on an odd pipeline, a
+batch-size ramp-up under CP with evaluation, and the distributed optimizer with overlapped
+reduction on interleaved chunks (combined to keep the run count down).
 """
 
 import pytest
-from harness import BASE_FLAGS, assert_equivalent, run_layout, with_flag
+from harness import BASE_FLAGS, assert_close, assert_equivalent, reference, run_layout, with_flag
 
 FLAGS = with_flag(BASE_FLAGS, "--global-batch-size", "8") + ["--num-layers", "4"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
@@ -39,11 +40,21 @@ def test_uneven_split_gpipe_on_three_stages(tmp_path):
     assert_equivalent(FLAGS, 3, tmp_path, extra)
 
 
-def test_rampup_batch_size_with_context_parallel_matches_single_process(tmp_path):
-    # Batch 4, 4, 6, 6, 8: 2, 2, 3, 3, 4 microbatches per iteration through 1F1B, each split over CP=2.
-    flags = FLAGS + ["--rampup-batch-size", "4", "2", "16"]
+def test_rampup_with_context_parallel_and_evaluation_matches_single_process(tmp_path):
+    # Batch 4, 4, 6, 6, 8: 2, 2, 3, 3, 4 microbatches per iteration through 1F1B, each split over CP=2;
+    # validation (forward-only schedule) after iterations 2 and 4.
+    flags = FLAGS + ["--rampup-batch-size", "4", "2", "16", "--eval-interval", "2", "--eval-iters", "1"]
     run = assert_equivalent(flags, 4, tmp_path, PP2 + ["--context-parallel-size", "2"])
-    assert [r["batch_size"] for r in run.records] == [4, 4, 6, 6, 8]
+    assert [r["batch_size"] for r in run.records if "batch_size" in r] == [4, 4, 6, 6, 8]
+    valid = [r["valid_loss"] for r in run.records if "valid_loss" in r]
+    assert_close(valid, [r["valid_loss"] for r in reference(flags, tmp_path / "ref").records if "valid_loss" in r])
+    assert len(valid) == 2
+
+
+def test_distributed_optimizer_with_overlap_on_interleaved_chunks(tmp_path):
+    # Per-chunk DDP buckets: each chunk's reduction starts on that chunk's last backward (is_last, chunk=c).
+    extra = PP2 + ["--num-virtual-stages-per-pipeline-rank", "2", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    assert_equivalent(FLAGS, 4, tmp_path, extra)
 
 
 def test_interleaving_refuses_a_ramp_with_odd_microbatch_counts(tmp_path):
