@@ -1,0 +1,160 @@
+"""Benchmark: checkpoint save throughput beside a raw file write of the same bytes, and the training stall.
+
+One process (world of one, gloo, CPU) builds the real trainer (model, optimizer with Adam state, mock
+data), takes a few steps, then
+
+1. saves synchronously `--saves` times (DCP files, fsync'ed, atomic rename, `latest`) and, after each,
+   writes the very bytes that save produced as one sequential file in the same directory (fsync'ed):
+   bytes/s of both and their ratio (median over the rounds);
+2. measures how long training stops for a save: a synchronous save blocks for the whole write; with
+   --async-save the trainer only stops for the CPU copy, and the write on a background thread slows the
+   iterations that run meanwhile (counted against the median iteration without saves).
+
+Not a test: CI never times anything. The directory (default: ./bench_checkpoint_tmp, i.e. the disk you
+run from; pass --dir for another disk) is deleted afterwards.
+
+    .venv/bin/python bench/checkpoint.py [--hidden 384] [--layers 6] [--vocab 8000] [--saves 3] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def raw_write(src: Path, dst: Path) -> tuple[int, float]:
+    """Write the bytes of every file under `src` into one file `dst` (sequential, fsync'ed): (bytes, seconds)."""
+    blobs = [p.read_bytes() for p in sorted(src.rglob("*")) if p.is_file()]
+    start = time.perf_counter()
+    with open(dst, "wb") as fh:
+        for blob in blobs:
+            fh.write(blob)
+        fh.flush()
+        os.fsync(fh.fileno())
+    seconds = time.perf_counter() - start
+    dst.unlink()
+    return sum(len(b) for b in blobs), seconds
+
+
+def build_trainer(args: argparse.Namespace, root: Path):
+    from tricorn.config import config_from_args, validate
+    from tricorn.parallel.state import init_parallel
+    from tricorn.training.checkpoint import Checkpointer
+    from tricorn.training.logging import MetricsLogger
+    from tricorn.training.loop import Trainer
+    from tricorn.training.main import build, build_loaders
+
+    flags = (
+        f"--device cpu --mock-data --num-layers {args.layers} --hidden-size {args.hidden} --num-attention-heads 8 "
+        f"--seq-length {args.seq} --max-position-embeddings {args.seq} --micro-batch-size 1 --global-batch-size 1 "
+        f"--vocab-size {args.vocab} --train-iters 100000 --lr 1e-4 --log-interval 100000 --swiglu --save {root}"
+    ).split()
+    cfg = config_from_args(flags, world_size=1)
+    errors = validate(cfg)
+    assert not errors, errors
+    state = init_parallel(cfg)
+    chunks, optimizer, forward_backward, tracker = build(cfg, state)
+    train_loader, _ = build_loaders(cfg, state)
+    logger = MetricsLogger(cfg, state.rank, state.device)
+    trainer = Trainer(cfg, state, chunks, optimizer, train_loader, None, logger, forward_backward)
+    return cfg, trainer, Checkpointer(cfg, state, tracker, console=lambda line: None)
+
+
+def timed_iteration(trainer) -> float:
+    start = time.perf_counter()
+    trainer.run_iteration()
+    return time.perf_counter() - start
+
+
+def throughput(trainer, ckpt, root: Path, saves: int) -> None:
+    from tricorn.training.checkpoint_io import iter_name
+
+    ckpt_rates, raw_rates = [], []
+    for _ in range(saves):
+        trainer.run_iteration()
+        start = time.perf_counter()
+        ckpt.save(trainer)
+        seconds = time.perf_counter() - start
+        path = root / iter_name(trainer.iteration)
+        size = dir_bytes(path)
+        raw_size, raw_seconds = raw_write(path, root / "raw_write.bin")
+        assert raw_size == size
+        ckpt_rates.append(size / seconds)
+        raw_rates.append(raw_size / raw_seconds)
+    c, r = statistics.median(ckpt_rates), statistics.median(raw_rates)
+    print(f"checkpoint size        {size / 2**20:10.1f} MiB (model + Adam moments, DCP files + JSON/YAML)")
+    print(f"sync save throughput   {c / 2**20:10.1f} MiB/s  (whole save: tensors, fsync, rename, latest)")
+    print(f"raw sequential write   {r / 2**20:10.1f} MiB/s  (same bytes, one file, fsync)")
+    print(f"save / raw             {c / r:10.2f}")
+
+
+def stall(cfg, trainer, ckpt, saves: int) -> None:
+    baseline = statistics.median(timed_iteration(trainer) for _ in range(5))
+    sync_stalls = []
+    for _ in range(saves):
+        trainer.run_iteration()
+        start = time.perf_counter()
+        ckpt.save(trainer)
+        sync_stalls.append(time.perf_counter() - start)
+    cfg.checkpoint.async_save = True
+    staging, slowdown, overlapped = [], [], []
+    for _ in range(saves):
+        trainer.run_iteration()
+        start = time.perf_counter()
+        ckpt.save(trainer)
+        staging.append(time.perf_counter() - start)
+        extra, iterations = 0.0, 0
+        while ckpt.pending is not None and not ckpt.pending.done():
+            extra += timed_iteration(trainer) - baseline
+            iterations += 1
+        start = time.perf_counter()
+        ckpt.wait()
+        slowdown.append(extra + time.perf_counter() - start)
+        overlapped.append(iterations)
+    cfg.checkpoint.async_save = False
+    print(f"iteration (no save)    {1000 * baseline:10.1f} ms")
+    print(f"sync save stall        {1000 * statistics.median(sync_stalls):10.1f} ms")
+    print(f"async save stall       {1000 * statistics.median(staging):10.1f} ms  (CPU copy; training then continues)")
+    print(
+        f"async write overhead   {1000 * statistics.median(slowdown):10.1f} ms  (extra time of the "
+        f"{statistics.median(overlapped):g} iterations that ran during the background write)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=Path("bench_checkpoint_tmp"))
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    root = args.dir.resolve() / f"run-{os.getpid()}"
+    try:
+        cfg, trainer, ckpt = build_trainer(args, root)
+        params = sum(p.numel() for c in trainer.chunks for p in c.parameters())
+        print(f"model: {params / 1e6:.1f}M parameters (fp32), 1 process, directory {root}")
+        for _ in range(2):  # Adam state exists, first-call costs paid
+            trainer.run_iteration()
+        ckpt.save(trainer)
+        throughput(trainer, ckpt, root, args.saves)
+        stall(cfg, trainer, ckpt, args.saves)
+        ckpt.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if args.dir.is_dir() and not any(args.dir.iterdir()):
+            args.dir.rmdir()
+
+
+if __name__ == "__main__":
+    main()
