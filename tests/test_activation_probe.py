@@ -5,6 +5,7 @@ Run as a script (`python tests/test_activation_probe.py tp`) it is the 2-rank wo
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from tricorn.config import ModelConfig
+from tricorn.config import ModelConfig, config_from_args, validate
 from tricorn.model.transformer import GPTModel
 from tricorn.parallel.recompute import apply_recompute
 from tricorn.training.activation_probe import ActivationProbe, layer_activation_bytes, layer_activation_terms
@@ -151,6 +152,37 @@ def test_peak_microbatches_in_flight() -> None:
     with torch.no_grad(), ActivationProbe([model]) as no_grad:
         model(tokens, tokens)
     assert not no_grad.records
+
+
+# ---------------------------------------------------------------- the trainer's memory_report.json
+
+
+def _report(tmp_path: Path, extra: list[str], nproc: int) -> tuple[list[dict], ModelConfig]:
+    from harness import BASE_FLAGS, run_layout, with_flag
+
+    flags = with_flag(BASE_FLAGS, "--num-layers", "4") + extra
+    cfg = config_from_args(flags, world_size=nproc)
+    if validate(cfg):
+        pytest.skip(f"refused by the config: {validate(cfg)[0]}")
+    run_layout(flags + ["--tensorboard-dir", str(tmp_path / "tb")], nproc, tmp_path)
+    return json.loads((tmp_path / "tb" / "memory_report.json").read_text()), cfg.model
+
+
+def test_trainer_reports_the_layer_input_under_full_recompute(tmp_path) -> None:
+    full = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
+    (entry,), model = _report(tmp_path, full, 1)
+    _within(entry["activation_bytes_per_layer"], 4 * model.seq_length * B * model.hidden_size, 0.05)
+    assert entry["activation_bytes_other"] > 0 and entry["peak_microbatches_in_flight"] == 1
+
+
+def test_trainer_reports_microbatches_in_flight_per_pipeline_stage(tmp_path) -> None:
+    entries, model = _report(tmp_path, ["--pipeline-model-parallel-size", "2"], 2)
+    stage = {e["pp_rank"]: e for e in entries}
+    # 1F1B with 2 microbatches: stage r holds min(pp - r, M) forwards before its first backward.
+    assert stage[0]["peak_microbatches_in_flight"] == 2 and stage[1]["peak_microbatches_in_flight"] == 1
+    for e in entries:
+        _within(e["activation_bytes_per_layer"], _formula(model), 0.10)
+    assert stage[1]["activation_bytes_other"] > stage[0]["activation_bytes_other"]  # the head and loss live on the last stage
 
 
 # ---------------------------------------------------------------- TP / SP on 2 ranks

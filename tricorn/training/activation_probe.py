@@ -287,7 +287,7 @@ class ActivationProbe:
         record = self._current
         storage = tensor.untyped_storage()
         key = storage._cdata  # the StorageImpl: unique while we hold it, unlike a data pointer freed and reused
-        if record is None or key in self._skip or storage.nbytes() == 0 or (tensor.is_leaf and tensor.requires_grad):
+        if record is None or key in self._skip or storage.nbytes() == 0 or isinstance(tensor, nn.Parameter):
             return _Plain(tensor)
         record.storages.setdefault(key, (self._region, storage))
         return _Held(tensor, self, record)

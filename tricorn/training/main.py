@@ -47,6 +47,7 @@ def build(cfg: Config, state):
     from tricorn.parallel.pipeline.executor import PipelineExecutor
     from tricorn.parallel.recompute import apply_recompute
     from tricorn.parallel.tensor import seed_everything, tensor_parallel_spec
+    from tricorn.training.activation_probe import attach_trainer_probe
     from tricorn.training.step import forward_backward_no_pipelining
 
     tracker = seed_everything(cfg.training.seed, state.pp_rank, state.tp_rank, state.device)
@@ -57,6 +58,8 @@ def build(cfg: Config, state):
     for chunk in chunks:
         cast_params(chunk, cfg)
     optimizer = Optimizer(cfg, state, chunks)
+    # Counts what iteration 1 saves for backward; write_memory_report reads it after that iteration.
+    attach_trainer_probe(chunks, forwards=cfg.num_microbatches * len(chunks))
     forward_backward = PipelineExecutor(cfg, state) if state.pp_size > 1 else forward_backward_no_pipelining
     return chunks, optimizer, forward_backward, tracker
 

@@ -7,6 +7,9 @@ Categories (the memory estimator uses the same keys):
   master_params_bytes    fp32 master copies (0 when fp32 parameters are their own master)
   optimizer_state_bytes  Adam moments and step counters
 
+Activations (activation_probe.py, saved-tensor hooks during iteration 1): activation_bytes_per_layer,
+activation_bytes_other (embedding, head, loss) per microbatch, and peak_microbatches_in_flight.
+
 Every storage counts once (by data pointer), in the first category that holds
 it, at its full allocated size (padding included). When training on a GPU,
 tensors in host memory (--optimizer-cpu-offload) are reported as host_bytes
@@ -30,6 +33,7 @@ import torch.distributed as dist
 
 from tricorn.config import Config
 from tricorn.parallel.state import ParallelState
+from tricorn.training.activation_probe import trainer_report_entry
 
 KEYS = ("params_bytes", "grads_bytes", "master_params_bytes", "optimizer_state_bytes")
 FILENAME = "memory_report.json"
@@ -84,6 +88,7 @@ def write_memory_report(cfg: Config, state: ParallelState, optimizer) -> list[di
         "device": state.device.type,
     }
     entry["total_bytes"] = sum(entry[k] for k in KEYS)
+    entry |= trainer_report_entry()  # activation bytes saved for backward in iteration 1 (activation_probe.py)
     entries: list[dict] = [{}] * state.world_size
     dist.all_gather_object(entries, entry)
     if state.rank == 0:
