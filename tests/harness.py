@@ -168,7 +168,9 @@ def run_script(script: Path, nproc: int, args: Optional[list[str]] = None, timeo
             )
         )
     outs = [p.communicate(timeout=timeout) for p in procs]
-    for p, (_out, err) in zip(procs, outs):
-        if p.returncode != 0:
-            raise AssertionError(f"{script.name} failed on a rank (exit {p.returncode}):\n{err[-3000:]}")
+    failed = [(rank, p.returncode, err) for rank, (p, (_out, err)) in enumerate(zip(procs, outs)) if p.returncode != 0]
+    if failed:
+        # The first traceback is usually the cause; the other ranks then report closed connections.
+        rank, code, err = next((f for f in failed if "Traceback" in f[2] and "Connection closed" not in f[2]), failed[0])
+        raise AssertionError(f"{script.name} failed on rank {rank} (exit {code}):\n{err[-3000:]}")
     return outs[0][0]
