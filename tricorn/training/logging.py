@@ -6,8 +6,8 @@ console line. Every rank sends its warnings (the ``tricorn.*`` loggers and Pytho
 stderr tagged with its rank, and with --log-dir writes its own ``rank-NNNNN.log`` (console lines,
 info messages, warnings, an uncaught traceback); rank 0 also writes ``config.yaml`` there.
 
-Metrics per logged iteration (averaged over the iterations since the previous log, as Megatron
-does): lm loss, learning-rate, batch-size, grad-norm, params-norm (--log-params-norm), loss-scale,
+Metrics per logged iteration (lm loss, times and rates over the iterations since the previous
+log, as Megatron does; the rest as of the logged iteration): lm loss, learning-rate, batch-size, grad-norm, params-norm (--log-params-norm), loss-scale,
 skipped-iterations (so far in this run), iteration-time (s), throughput (model TFLOP/s per device), tokens-per-sec,
 mfu (percent; needs a peak: the GPU table or --peak-tflops), mem-allocated-bytes and
 mem-max-allocated-bytes (CUDA allocator; process RSS on CPU; the largest rank), and with
@@ -15,9 +15,10 @@ mem-max-allocated-bytes (CUDA allocator; process RSS on CPU; the largest rank), 
 FLOPs come from tricorn.planning.flops (model FLOPs for throughput and MFU; hardware FLOPs with
 recomputation in the start-up block). The metrics-file records keep the iteration's own values.
 
-Collectives (all ranks call the methods that have them): start-up, one all-gather of parameter
-counts and one all-reduce; each log, one all-reduce (max) of a few scalars, plus one scalar
-all-reduce over TP x PP for params-norm. No device memory beyond those scalars.
+Collectives (all ranks call the methods that have them): at start-up one all-gather of parameter
+counts; each log one all-reduce (max) of a few scalars (memory; level-2 timers), plus one scalar
+all-reduce over TP x PP for params-norm. These are logging-time only: nothing is added inside an
+iteration at --timing-log-level 0. No device memory beyond those scalars.
 """
 
 from __future__ import annotations
@@ -26,18 +27,16 @@ import json
 import logging
 import math
 import os
-import resource
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from tricorn.config import Config, dump_yaml
 from tricorn.planning.flops import IterationFlops, iteration_flops_for_config, mfu, tflops_per_device
 from tricorn.planning.hardware import detect_gpu_type, peak_tflops
+from tricorn.training.measurements import max_over_ranks, memory_bytes, parameter_counts, params_norm
 from tricorn.training.timers import PHASES, Timers
 
 log = logging.getLogger("tricorn")
@@ -92,72 +91,6 @@ def warn(message: str) -> None:
         print(f"tricorn: warning: {message}", file=sys.stderr, flush=True)
 
 
-# ---------------------------------------------------------------- measurements
-
-
-def memory_bytes(device: torch.device) -> tuple[float, float]:
-    """(allocated, max allocated): the CUDA caching allocator's figures, or on CPU the process RSS and its peak."""
-    if device.type == "cuda":
-        return float(torch.cuda.memory_allocated(device)), float(torch.cuda.max_memory_allocated(device))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    try:
-        with open("/proc/self/statm") as fh:
-            current = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # no /proc (macOS): the peak is the best figure there is
-        current = peak
-    return float(current), float(max(peak, current))
-
-
-def params_norm(chunks: list[torch.nn.Module], state: Any, optimizer: Any = None) -> float:
-    """L2 norm of all parameters, each counted once over TP/PP (grads.py's rule); DP replicas are equal.
-
-    ZeRO-3 keeps only a shard resident, so the norm is taken inside ``optimizer.gathered_params()``.
-    """
-    from tricorn.parallel.grads import counts_for_norm
-
-    gathered = getattr(optimizer, "gathered_params", None)
-    squares = torch.zeros((), dtype=torch.float32, device=state.device)
-    with gathered() if gathered is not None else nullcontext():
-        for chunk in chunks:
-            for p in chunk.parameters():
-                if counts_for_norm(p, state):
-                    squares += p.detach().float().pow(2).sum()
-    dist.all_reduce(squares, group=state.mp_group)
-    return squares.sqrt().item()
-
-
-@dataclass(frozen=True)
-class ParameterCounts:
-    total: int  # every parameter once (TP shards summed, TP/DP replicas and the tied head copy once)
-    per_rank: list[int]  # what each world rank holds
-    per_stage: list[int]  # per pipeline stage, summed over its TP ranks
-
-
-def parameter_counts(chunks: list[torch.nn.Module], state: Any) -> ParameterCounts:
-    """Collectives: one all-gather over the world (4 integers per rank)."""
-    from tricorn.parallel.grads import counts_for_norm
-
-    params = [p for c in chunks for p in c.parameters()]
-    counted = sum(p.numel() for p in params if counts_for_norm(p, state))
-    replica0 = int(state.dp_rank == 0 and state.cp_rank == 0)
-    mine = torch.tensor([sum(p.numel() for p in params), counted * replica0, state.pp_rank, replica0], device=state.device)
-    rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, mine)
-    table = torch.stack(rows).cpu().tolist()
-    per_stage = [0] * state.pp_size
-    for local, _, pp, first in table:
-        per_stage[pp] += local * first
-    return ParameterCounts(sum(r[1] for r in table), [r[0] for r in table], per_stage)
-
-
-def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.cpu().tolist()
-
-
 def format_duration(seconds: float) -> str:
     """0.42s / 12.3s under a minute (tiny runs still count down), else H:MM:SS (with days past 24 h)."""
     if seconds < 10:
@@ -168,6 +101,29 @@ def format_duration(seconds: float) -> str:
     days, rest = divmod(s, 86400)
     text = f"{rest // 3600}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
     return f"{days}d {text}" if days else text
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The iterations since the previous log, summed or averaged (Megatron averages the loss over them)."""
+
+    count: int
+    seconds: float
+    loss: float  # mean over iterations that were neither skipped nor non-finite
+    skipped: int
+    nan: int
+    tokens: int
+    tflops: float  # model TFLOP/s per device
+    mfu_pct: Optional[float]
+    consumed_samples: int
+
+    @property
+    def seconds_per_iteration(self) -> float:
+        return self.seconds / self.count
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.tokens / self.seconds
 
 
 # ---------------------------------------------------------------- the logger
@@ -318,99 +274,94 @@ class MetricsLogger:
         self._logged_upto = len(trainer.history)
         if not results:
             return
-        last = results[-1]
         self.observe_iterations(results)
-        seconds = sum(r.seconds for r in results)
-        n = len(results)
-        good = [r.loss for r in results if not r.skipped and math.isfinite(r.loss)]
-        loss = sum(good) / len(good) if good else float("nan")
-        skipped = sum(r.skipped for r in results)
-        nan = sum(1 for r in results if not r.skipped and not math.isfinite(r.loss))
-        tokens = sum(r.global_batch_size for r in results) * cfg.model.seq_length
-        model_flops = sum(self.flops(r.global_batch_size).model for r in results)
-        tflops = tflops_per_device(model_flops, seconds, cfg.world_size)
-        consumed_samples = trainer.train_loader.consumed_samples
-        consumed_tokens = consumed_samples * cfg.model.seq_length
-
+        iv = self._interval(results, trainer)
         timers: Timers = getattr(trainer, "timers", None) or Timers.disabled()
-        phase_times = {k: v / n for k, v in timers.read().items()}
-        reduce_phases = timers.reduce_across_ranks
-        vector = list(memory_bytes(self.device))
-        if reduce_phases:
-            for name in PHASES:
-                t = phase_times.get(name, 0.0)
-                vector += [1.0 if name in phase_times else 0.0, t, -t]
-        vector = _max_over_ranks(vector, trainer.state.device)
-        mem_alloc, mem_max = vector[0], vector[1]
+        phase_times = {k: v / iv.count for k, v in timers.read().items()}
+        (mem_alloc, mem_max), min_max = self._reduce_over_ranks(phase_times, timers.reduce_across_ranks, trainer.state.device)
         pnorm = params_norm(trainer.chunks, trainer.state, trainer.optimizer) if cfg.logging.log_params_norm else None
         eta = self.eta_seconds(trainer)
+        last = results[-1]
 
         values = {
-            "lm loss": loss,
+            "lm loss": iv.loss,
             "learning-rate": last.lr,
             "batch-size": last.global_batch_size,
             "grad-norm": last.grad_norm,
             "loss-scale": last.loss_scale,
-            "skipped-iterations": getattr(trainer, "skipped_iterations", skipped),  # this run so far (the console: interval)
-            "iteration-time": seconds / n,
-            "throughput": tflops,
-            "tokens-per-sec": tokens / seconds,
+            "skipped-iterations": getattr(trainer, "skipped_iterations", iv.skipped),  # this run so far (console: interval)
+            "iteration-time": iv.seconds_per_iteration,
+            "throughput": iv.tflops,
+            "tokens-per-sec": iv.tokens_per_sec,
             "mem-allocated-bytes": mem_alloc,
             "mem-max-allocated-bytes": mem_max,
+            **({"params-norm": pnorm} if pnorm is not None else {}),
+            **({"mfu": iv.mfu_pct} if iv.mfu_pct is not None else {}),
         }
-        if pnorm is not None:
-            values["params-norm"] = pnorm
-        mfu_pct = 100 * mfu(model_flops, seconds, cfg.world_size, self.peak_tflops) if self.peak_tflops else None
-        if mfu_pct is not None:
-            values["mfu"] = mfu_pct
-        self.scalars(iteration, values, consumed_tokens)
+        self.scalars(iteration, values, iv.consumed_samples * cfg.model.seq_length)
         timer_values = {f"{k}-time": v for k, v in phase_times.items()}
-        min_max: dict[str, tuple[float, float]] = {}
-        if reduce_phases:
-            for i, name in enumerate(PHASES):
-                exists, t_max, neg_min = vector[2 + 3 * i : 5 + 3 * i]
-                if exists:
-                    min_max[name] = (-neg_min, t_max)
-                    timer_values[f"{name}-time-min"], timer_values[f"{name}-time-max"] = -neg_min, t_max
+        for name, (lo, hi) in min_max.items():
+            timer_values[f"{name}-time-min"], timer_values[f"{name}-time-max"] = lo, hi
         self.scalars(iteration, timer_values)
-
-        record = {
-            "loss": last.loss,
-            "grad_norm": last.grad_norm,
-            "lr": last.lr,
-            "skipped": last.skipped,
-            "loss_scale": last.loss_scale,
-            "batch_size": last.global_batch_size,
-            "consumed_samples": consumed_samples,
-            "iteration_time": seconds / n,
-            "tokens_per_sec": tokens / seconds,
-            "tflops_per_device": tflops,
-            "eta_s": eta,
-            "mem_allocated_bytes": mem_alloc,
-            "mem_max_allocated_bytes": mem_max,
-            **({"params_norm": pnorm} if pnorm is not None else {}),
-            **({"mfu": mfu_pct} if mfu_pct is not None else {}),
-            **({"timers": phase_times} if phase_times else {}),
-        }
-        self.record(iteration, record)
-        line = (
-            f" iteration {iteration:8d}/{cfg.training.train_iters:8d} | consumed samples: {consumed_samples:12d} | "
-            f"elapsed time per iteration (ms): {1000 * seconds / n:.1f} | learning rate: {last.lr:.6E} | "
-            f"global batch size: {last.global_batch_size:5d} | lm loss: {loss:.6E} | loss scale: {last.loss_scale:.1f} | "
-            f"grad norm: {last.grad_norm:.3f} | "
+        self.record(
+            iteration,
+            {
+                "loss": last.loss,
+                "grad_norm": last.grad_norm,
+                "lr": last.lr,
+                "skipped": last.skipped,
+                "loss_scale": last.loss_scale,
+                "batch_size": last.global_batch_size,
+                "consumed_samples": iv.consumed_samples,
+                "iteration_time": iv.seconds_per_iteration,
+                "tokens_per_sec": iv.tokens_per_sec,
+                "tflops_per_device": iv.tflops,
+                "eta_s": eta,
+                "mem_allocated_bytes": mem_alloc,
+                "mem_max_allocated_bytes": mem_max,
+                **({"params_norm": pnorm} if pnorm is not None else {}),
+                **({"mfu": iv.mfu_pct} if iv.mfu_pct is not None else {}),
+                **({"timers": phase_times} if phase_times else {}),
+            },
         )
-        if pnorm is not None:
-            line += f"params norm: {pnorm:.3f} | "
-        line += (
-            f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nan:3d} | "
-            f"tokens/s: {tokens / seconds:.0f} | TFLOP/s per device: {tflops:.3g} | "
-        )
-        if mfu_pct is not None:
-            line += f"MFU: {mfu_pct:.1f}% | "
-        line += f"ETA: {format_duration(eta)}"
-        self.console(line)
+        self.console(_console_line(iteration, cfg.training.train_iters, iv, last, pnorm, eta))
         if phase_times:
             self.console(_timers_line(phase_times, min_max))
+
+    def _interval(self, results: list[Any], trainer: Any) -> Interval:
+        cfg = self.cfg
+        seconds = sum(r.seconds for r in results)
+        good = [r.loss for r in results if not r.skipped and math.isfinite(r.loss)]
+        model_flops = sum(self.flops(r.global_batch_size).model for r in results)
+        peak = self.peak_tflops
+        return Interval(
+            count=len(results),
+            seconds=seconds,
+            loss=sum(good) / len(good) if good else float("nan"),
+            skipped=sum(r.skipped for r in results),
+            nan=sum(1 for r in results if not r.skipped and not math.isfinite(r.loss)),
+            tokens=sum(r.global_batch_size for r in results) * cfg.model.seq_length,
+            tflops=tflops_per_device(model_flops, seconds, cfg.world_size),
+            mfu_pct=100 * mfu(model_flops, seconds, cfg.world_size, peak) if peak else None,
+            consumed_samples=trainer.train_loader.consumed_samples,
+        )
+
+    def _reduce_over_ranks(
+        self, phase_times: dict[str, float], min_max: bool, device: torch.device
+    ) -> tuple[tuple[float, float], dict[str, tuple[float, float]]]:
+        """Memory of the largest rank and (level 2) each phase's min/max over ranks: one all-reduce (max)."""
+        vector = list(memory_bytes(self.device))
+        if min_max:
+            for name in PHASES:  # a fixed order: every rank sends the same layout, used or not
+                t = phase_times.get(name, 0.0)
+                vector += [1.0 if name in phase_times else 0.0, t, -t]
+        vector = max_over_ranks(vector, device)
+        out = {}
+        for i, name in enumerate(PHASES if min_max else ()):
+            used, t_max, neg_min = vector[2 + 3 * i : 5 + 3 * i]
+            if used:
+                out[name] = (-neg_min, t_max)
+        return (vector[0], vector[1]), out
 
     def observe_iterations(self, results: list[Any]) -> None:
         """Feed the ETA's pace: the seconds of each training iteration (the run's first one is left out)."""
@@ -462,6 +413,28 @@ def _memory_estimate_lines(cfg: Config) -> list[str]:
         f"buffers {(e.buffer_bytes + e.overhead_bytes) / mib:.1f} MiB = {e.total_bytes / mib:.1f} MiB; "
         "measured model state after iteration 1"
     ]
+
+
+def _console_line(iteration: int, total: int, iv: Interval, last: Any, pnorm: Optional[float], eta: float) -> str:
+    """Megatron's training_log line, plus params norm, tokens/s, TFLOP/s per device, MFU and ETA."""
+    parts = [
+        f" iteration {iteration:8d}/{total:8d}",
+        f"consumed samples: {iv.consumed_samples:12d}",
+        f"elapsed time per iteration (ms): {1000 * iv.seconds_per_iteration:.1f}",
+        f"learning rate: {last.lr:.6E}",
+        f"global batch size: {last.global_batch_size:5d}",
+        f"lm loss: {iv.loss:.6E}",
+        f"loss scale: {last.loss_scale:.1f}",
+        f"grad norm: {last.grad_norm:.3f}",
+        *([f"params norm: {pnorm:.3f}"] if pnorm is not None else []),
+        f"number of skipped iterations: {iv.skipped:3d}",
+        f"number of nan iterations: {iv.nan:3d}",
+        f"tokens/s: {iv.tokens_per_sec:.0f}",
+        f"TFLOP/s per device: {iv.tflops:.3g}",
+        *([f"MFU: {iv.mfu_pct:.1f}%"] if iv.mfu_pct is not None else []),
+        f"ETA: {format_duration(eta)}",
+    ]
+    return " | ".join(parts)
 
 
 def _timers_line(times: dict[str, float], min_max: dict[str, tuple[float, float]]) -> str:
