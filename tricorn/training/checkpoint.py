@@ -94,15 +94,6 @@ def _local_of(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
-    local = _local_of(t).detach().to("cpu", copy=True)
-    if not hasattr(t, "to_local"):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-
-
 class Checkpointer:
     def __init__(self, cfg: Config, state: ParallelState, tracker: Any, console: Callable[[str], None] = print):
         self.cfg = cfg
@@ -119,6 +110,7 @@ class Checkpointer:
         self.pending: Optional[concurrent.futures.Future] = None
         self.last_saved: Optional[int] = None
         self.loaded_iteration = 0
+        self._cpu_mesh = None
         self.stall_seconds: list[float] = []  # training time each save took (bench/checkpoint.py)
 
     # ------------------------------------------------------------ what is saved
@@ -163,14 +155,13 @@ class Checkpointer:
             "saved_at": time.time(),
         }
 
-    def _optimizer_tensors(self, trainer, params: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
+    def _optimizer_locals(self, trainer, params: list[tuple[str, nn.Parameter]]) -> dict[str, tuple[torch.Tensor, nn.Parameter]]:
         owned = {id(ps.param): ps for ps in trainer.optimizer.sharded_param_state()}
         whole = all(id(p) in owned and owned[id(p)].stop - owned[id(p)].start == p.numel() for _, p in params)
         flag = torch.tensor([0.0 if whole else 1.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         sharded = flag.item() > 0  # some rank holds only a DP shard: assemble over DP x CP
-        tp_mesh = self.state.mesh["tp"]
-        out: dict[str, torch.Tensor] = {}
+        out: dict[str, tuple[torch.Tensor, nn.Parameter]] = {}
         for name, p in params:
             if _is_copy(p):  # the embedding's twin: identical state, saved once under the embedding's name
                 continue
@@ -185,15 +176,25 @@ class Checkpointer:
                 values = {f: buf[i].view(p.shape) for i, f in enumerate(fields)}
             else:
                 values = {f: getattr(ps, f).view(p.shape) for f in fields}
-            out.update({f"optim.{name}.{f}": _to_global(v, p, tp_mesh) for f, v in values.items()})
+            out.update({f"optim.{name}.{f}": (v, p) for f, v in values.items()})
         return out
 
-    def _tensors(self, trainer) -> dict[str, torch.Tensor]:
+    def _locals(self, trainer) -> dict[str, tuple[torch.Tensor, nn.Parameter]]:
+        """Checkpoint name -> (this rank's tensor shaped like the parameter, the parameter)."""
         params = _named_params(trainer.chunks)
-        tp_mesh = self.state.mesh["tp"]
-        out = {f"model.{n}": _to_global(p.detach(), p, tp_mesh) for n, p in params if not _is_copy(p)}
-        out.update(self._optimizer_tensors(trainer, params))
+        out = {f"model.{n}": (p.detach(), p) for n, p in params if not _is_copy(p)}
+        out.update(self._optimizer_locals(trainer, params))
         return out
+
+    def _tp_mesh(self, device: torch.device):
+        """The TP mesh for DTensors of `device`: CPU staging copies of CUDA state need a CPU mesh (same ranks)."""
+        if device.type == self.state.mesh.device_type:
+            return self.state.mesh["tp"]
+        if self._cpu_mesh is None:  # created once, by every rank in the same save (a collective)
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._cpu_mesh = DeviceMesh("cpu", self.state.mesh.mesh, mesh_dim_names=self.state.mesh.mesh_dim_names)
+        return self._cpu_mesh["tp"]
 
     # ------------------------------------------------------------ saving
 
@@ -207,13 +208,15 @@ class Checkpointer:
         meta = self._meta(trainer)
         rng = io.encode_rng(self._rng_states())
         with trainer.optimizer.gathered_params():
-            tensors = self._tensors(trainer)
+            local = self._locals(trainer)
+            if self.cfg.checkpoint.async_save:  # the training stall of an async save: one copy to CPU memory
+                local = {k: (t.to("cpu", copy=True), p) for k, (t, p) in local.items()}
+            tensors = {k: _to_global(t, p, self._tp_mesh(t.device)) for k, (t, p) in local.items()}
             if not self.cfg.checkpoint.async_save:
                 self._write(tensors, meta, rng, tmp, it)
                 self.last_saved = it
                 self.stall_seconds.append(time.perf_counter() - start)
                 return
-            tensors = {k: _cpu_copy(v) for k, v in tensors.items()}
         self.executor = self.executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tricorn-ckpt")
         self.pending = self.executor.submit(self._write, tensors, meta, rng, tmp, it)
         self.last_saved = it
@@ -317,7 +320,7 @@ class Checkpointer:
         if tuple(entry.size) != global_shape(p):
             raise CheckpointError(f"checkpoint tensor {key!r} has shape {tuple(entry.size)}, this model needs {global_shape(p)}")
         buf = torch.zeros(p.shape, dtype=entry.properties.dtype, device=self.state.device)
-        return buf, _to_global(buf, p, self.state.mesh["tp"])
+        return buf, _to_global(buf, p, self._tp_mesh(buf.device))
 
     def _load_tensors(self, trainer, path: Path, md, load_optim: bool, meta: dict) -> None:
         params = _named_params(trainer.chunks)
