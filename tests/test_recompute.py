@@ -2,14 +2,17 @@
 
 The launched runs compare a recompute run with the same layout without recompute at rtol=0 (fp32 on CPU),
 for full (uniform, 1 layer) and selective recompute, single process, TP=2 with SP (and dropout, so the
-tensor-parallel RNG stream is exercised), and PP=2.
+tensor-parallel RNG stream is exercised), and PP=2; their memory_report.json shows what each saves.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
-from harness import BASE_FLAGS, assert_close, reference, run_layout, with_flag
+from harness import BASE_FLAGS, RunResult, assert_close, run_layout, with_flag
 
 from tricorn.config import ModelConfig, config_from_args, validate
 from tricorn.model.spec import LayerSpec
@@ -21,6 +24,8 @@ from tricorn.training.activation_probe import ActivationProbe, layer_activation_
 FLAGS = with_flag(BASE_FLAGS, "--num-layers", "4")
 FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
 SELECTIVE = "--recompute-granularity selective".split()
+MODEL = config_from_args(FLAGS).model
+MICRO_BATCH = config_from_args(FLAGS).training.micro_batch_size
 
 
 def _errors(extra: str, world_size: int = 1) -> list[str]:
@@ -158,7 +163,7 @@ def test_applying_twice_is_an_error() -> None:
         apply_recompute([model], cfg)
 
 
-# ---------------------------------------------------------------- launched runs: bitwise in fp32
+# ---------------------------------------------------------------- launched runs: bitwise in fp32, memory_report.json
 
 
 def _assert_bitwise(run, ref) -> None:
@@ -167,17 +172,49 @@ def _assert_bitwise(run, ref) -> None:
     assert len(run.losses) == 5
 
 
-@pytest.mark.parametrize("extra", [FULL, SELECTIVE], ids=["full", "selective"])
-def test_single_process_is_bitwise(tmp_path, extra: list[str]) -> None:
-    ref = reference(FLAGS, tmp_path / "ref")
-    _assert_bitwise(run_layout(FLAGS + extra, 1, tmp_path / "run"), ref)
+def _run_with_report(flags: list[str], nproc: int, workdir: Path) -> tuple[RunResult, dict[int, dict]]:
+    """The run and its memory_report.json entries by rank (the trainer writes them after iteration 1)."""
+    run = run_layout(flags + ["--tensorboard-dir", str(workdir / "tb")], nproc, workdir)
+    entries = json.loads((workdir / "tb" / "memory_report.json").read_text())
+    return run, {e["rank"]: e for e in entries}
 
 
-def test_tp2_sp_with_dropout_is_bitwise(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def no_recompute(tmp_path_factory) -> tuple[RunResult, dict[int, dict]]:
+    return _run_with_report(FLAGS, 1, tmp_path_factory.mktemp("none"))
+
+
+def _per_layer(entries: dict[int, dict]) -> float:
+    return entries[0]["activation_bytes_per_layer"]
+
+
+def test_full_recompute_is_bitwise_and_keeps_the_layer_input(tmp_path, no_recompute) -> None:
+    ref, ref_report = no_recompute
+    run, report = _run_with_report(FLAGS + FULL, 1, tmp_path)
+    _assert_bitwise(run, ref)
+    m = MODEL
+    layer_input = 4 * m.seq_length * MICRO_BATCH * m.hidden_size  # fp32 [s, b, h]
+    assert abs(_per_layer(report) - layer_input) <= 0.05 * layer_input, (_per_layer(report), layer_input)
+    assert report[0]["activation_bytes_other"] == ref_report[0]["activation_bytes_other"]  # embedding/head/loss unchanged
+
+
+def test_selective_recompute_is_bitwise_and_saves_the_formula_amount(tmp_path, no_recompute) -> None:
+    ref, ref_report = no_recompute
+    modules = ["core_attn", "mlp"]
+    run, report = _run_with_report(FLAGS + SELECTIVE + ["--recompute-modules", *modules], 1, tmp_path)
+    _assert_bitwise(run, ref)
+    kw = dict(seq=MODEL.seq_length, micro_batch=MICRO_BATCH)
+    predicted = layer_activation_bytes(MODEL, **kw) - layer_activation_bytes(
+        MODEL, **kw, recompute="selective", recompute_modules=modules
+    )
+    saved = _per_layer(ref_report) - _per_layer(report)
+    assert saved > 0 and abs(saved - predicted) <= 0.10 * predicted, (saved, predicted)
+
+
+def test_tp2_sp_with_dropout_selective_is_bitwise(tmp_path) -> None:
     tp = FLAGS + "--tensor-model-parallel-size 2 --sequence-parallel --hidden-dropout 0.1 --attention-dropout 0.1".split()
     ref = run_layout(tp, 2, tmp_path / "none")
     _assert_bitwise(run_layout(tp + SELECTIVE, 2, tmp_path / "selective"), ref)
-    _assert_bitwise(run_layout(tp + FULL, 2, tmp_path / "full"), ref)
 
 
 def test_pp2_selective_is_bitwise(tmp_path) -> None:
@@ -185,5 +222,9 @@ def test_pp2_selective_is_bitwise(tmp_path) -> None:
     errs = validate(config_from_args(pp, world_size=2))
     if any("pipeline" in e for e in errs):
         pytest.skip(f"PP=2 is refused by the config: {errs[0]}")
-    ref = run_layout(pp, 2, tmp_path / "none")
+    ref, report = _run_with_report(pp, 2, tmp_path / "none")
     _assert_bitwise(run_layout(pp + SELECTIVE + ["--recompute-modules", "core_attn", "mlp", "norm"], 2, tmp_path / "sel"), ref)
+    # 1F1B with 2 microbatches: stage r holds min(pp - r, M) microbatches' activations before its first backward.
+    stage = {e["pp_rank"]: e for e in report.values()}
+    assert stage[0]["peak_microbatches_in_flight"] == 2 and stage[1]["peak_microbatches_in_flight"] == 1
+    assert stage[1]["activation_bytes_other"] > stage[0]["activation_bytes_other"]  # the head and loss are on the last stage

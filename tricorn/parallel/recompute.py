@@ -34,8 +34,8 @@ Memory effect (per layer and microbatch; the formula is in tricorn/training/acti
 e*s*b*h (the layer input, /TP under SP) per group of N layers, plus one group's full activations while its
 backward runs; selective core_attn drops the attention core's saved state (flash: its fp32 log-sum-exp;
 math attention: the s x s softmax, dropout mask and dropped probabilities); mlp drops the MLP intermediates;
-norm drops the two norm outputs (under SP the column-parallel linears keep their all-gathered input anyway,
-so norm saves nothing there). Compute: full adds about one forward per step (~+33%), selective much less.
+norm drops the two norm outputs (under SP, QKV and w1 keep their own all-gathered inputs, so norm only
+empties the shard a checkpointed MLP holds). Compute: full adds about one forward per step (~+33%), selective much less.
 """
 
 from __future__ import annotations

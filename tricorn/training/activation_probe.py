@@ -20,7 +20,7 @@ the way Korthikanti et al. 2022 count sbh(34 + 5as/h) for GPT-3 (every tensor a 
                                                                    whose unfused rms_norm also keeps x*rstd in fp32
     norm statistics               2 * 4k / h             [/t SP]   fp32 rstd (k = 1) - LayerNorm: mean too (k = 2)
     linear inputs                 2e                               the norm outputs, input of QKV and of w1 (SP:
-                                                                   their all-gathered copies, so never / t)
+                                                                   their all-gathered copies, so not / t)
     residual dropout              2m                     [/t SP]   masks: m = 1 (bool, GPU) or e (CPU), if > 0
     fused QKV output              e(1 + 2r) / t                    v is a view of it, so SDPA keeps it whole
     RoPE'd q and k                e(1 + r) / t                     (learned positions: 0 - q, k are views of QKV)
@@ -48,8 +48,9 @@ Korthikanti's accounting: no s x s term (flash), but fp32 norm inputs and the al
 Variants. TP divides everything inside the TP region (QKV ... MLP); SP also divides the norm and dropout
 terms (they act on the sequence shard). Selective recompute (tricorn.parallel.recompute): core_attn removes
 the SDPA state (flash: 4a/(ht); math: 3e/t and the s x s terms, while q, k, v held by the checkpoint are the
-QKV and RoPE terms again); mlp removes the MLP term; norm removes the 2e linear inputs (not under SP, where the
-all-gathered copies stay). Full recompute keeps only the layer input, e*sbh (/t under SP) per group of N
+QKV and RoPE terms again); mlp removes the MLP term (under SP it also turns w1's all-gathered input, e, into
+the norm output's shard the checkpoint holds, e/t); norm removes the norm outputs, 2e without SP - under SP
+only the shard a checkpointed MLP would hold, since QKV and w1 keep their own all-gathered copies. Full recompute keeps only the layer input, e*sbh (/t under SP) per group of N
 layers - plus, transiently during backward, one group's full activations.
 
 No collectives. Memory effect of the probe: one Python holder per saved tensor, released with the graph.
@@ -133,7 +134,7 @@ def layer_activation_terms(
         norm_inputs=2 * 4 * (2 if rms and device == "cpu" else 1) * sbh / sp,
         norm_stats=2 * 4 * (1 if rms else 2) * s * b / sp,
         norm_weights=0.0 if e == 4 else 2 * 4 * h * (1 if rms else 2),
-        linear_inputs=0.0 if ("norm" in selective and sp == 1) else 2 * e * sbh,
+        linear_inputs=_linear_inputs(e * sbh, sp, selective),
         dropout_masks=2 * mask * sbh / sp if model.hidden_dropout > 0 else 0.0,
         rope_tables=4 * e * s * d if rope else 0.0,
         qkv=qkv / t,
@@ -141,6 +142,16 @@ def layer_activation_terms(
         attention_core=core / t,
         mlp=0.0 if "mlp" in selective else e * s * b * f * (4 if model.swiglu else 2) / t,
     )
+
+
+def _linear_inputs(esbh: float, sp: int, selective: set[str]) -> float:
+    """The inputs of QKV and w1 (the norm outputs), as the column-parallel linears or a checkpoint keep them."""
+    norm = "norm" in selective
+    if sp == 1:  # the linear (or the MLP checkpoint) keeps the norm output itself; "norm" empties it
+        return 0.0 if norm else 2 * esbh
+    # SP: QKV keeps its all-gathered input; a checkpointed MLP keeps the norm output's shard instead
+    mlp_input = (0.0 if norm else esbh / sp) if "mlp" in selective else esbh
+    return esbh + mlp_input
 
 
 def layer_activation_bytes(model: Any, **kwargs: Any) -> float:
