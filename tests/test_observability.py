@@ -53,8 +53,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     extra = ["--pipeline-model-parallel-size", "2", "--timing-log-level", "2", "--peak-tflops", "1.0"]
     extra += ["--save", str(tmp / "pp2" / "ckpt"), "--save-interval", "5"]
     pp2 = run_layout(flags(tmp, "pp2", *extra), 2, tmp / "pp2")
-    single = run_layout(flags(tmp, "single"), 1, tmp / "single")
-    return {"pp2": (pp2, tmp / "pp2"), "single": (single, tmp / "single")}
+    tp2 = run_layout(flags(tmp, "tp2", "--tensor-model-parallel-size", "2"), 2, tmp / "tp2")  # level 0, no peak
+    return {"pp2": (pp2, tmp / "pp2"), "tp2": (tp2, tmp / "tp2")}
 
 
 def scalars(tb_dir: Path) -> tuple[dict[str, list], list[str]]:
@@ -102,7 +102,7 @@ def test_throughput_is_model_flops_per_device(runs: dict) -> None:
 
 
 def test_cpu_without_peak_has_no_mfu_and_level0_no_phase_timers(runs: dict) -> None:
-    run, where = runs["single"]
+    run, where = runs["tp2"]
     values, _ = scalars(where / "tb")
     assert "mfu" not in values and not any(t.endswith("-time") for t in values if t != "iteration-time")
     lines = [line for line in run.stdout.splitlines() if line.startswith(" iteration ")]
@@ -111,11 +111,12 @@ def test_cpu_without_peak_has_no_mfu_and_level0_no_phase_timers(runs: dict) -> N
 
 
 def test_params_norm_counts_each_parameter_once(runs: dict) -> None:
-    # PP=2 with tied embeddings keeps a head copy on the last stage; counted twice, the norm would differ.
+    # PP=2 keeps a tied head copy on the last stage, TP=2 a copy of every norm weight on each rank: counted twice,
+    # either would change the norm (the norm weights start at 1, the embedding is the largest matrix).
     pp2 = [r["params_norm"] for r in runs["pp2"][0].records if "params_norm" in r]
-    single = [r["params_norm"] for r in runs["single"][0].records if "params_norm" in r]
-    assert len(pp2) == len(single) == ITERS
-    assert pp2 == pytest.approx(single, rel=1e-5)
+    tp2 = [r["params_norm"] for r in runs["tp2"][0].records if "params_norm" in r]
+    assert len(pp2) == len(tp2) == ITERS
+    assert pp2 == pytest.approx(tp2, rel=1e-5)
 
 
 def test_startup_block_and_parameter_count(runs: dict) -> None:
@@ -134,6 +135,13 @@ def test_startup_block_and_parameter_count(runs: dict) -> None:
     assert s0 + s1 > total  # the last stage holds its own copy of the tied head
     assert "memory     estimate for the worst rank" in out
     assert out.index("tricorn: layout") < out.index(" iteration        1/")
+    tp2 = re.search(
+        r"parameters ([\d,]+) total \| per rank ([\d,]+) \.\. ([\d,]+) \| per stage ([\d,]+) \(pp0\)$",
+        runs["tp2"][0].stdout,
+        re.M,
+    )
+    total, lo, hi, stage = (int(g.replace(",", "")) for g in tp2.groups())
+    assert total == stage == expected and lo == hi and expected < lo + hi  # norms are replicated over TP
 
 
 def test_console_line_and_eta_counts_down(runs: dict) -> None:

@@ -53,23 +53,29 @@ def params_norm(chunks: list[torch.nn.Module], state: Any, optimizer: Any = None
 class ParameterCounts:
     total: int  # every parameter once (TP shards summed, TP/DP replicas and the tied head copy once)
     per_rank: list[int]  # what each world rank holds
-    per_stage: list[int]  # per pipeline stage, summed over its TP ranks
+    per_stage: list[int]  # per pipeline stage, each of its parameters once over TP (a tied head copy included)
 
 
 def parameter_counts(chunks: list[torch.nn.Module], state: Any) -> ParameterCounts:
     """Collectives: one all-gather over the world (4 integers per rank)."""
+    from tricorn.model.init import shard_info
     from tricorn.parallel.grads import counts_for_norm
 
+    def once_over_tp(p: torch.Tensor) -> bool:  # TP shards on every TP rank, TP-replicated ones on TP rank 0
+        info = shard_info(p)
+        return (info is not None and info.world > 1) or state.tp_rank == 0
+
     params = [p for c in chunks for p in c.parameters()]
-    counted = sum(p.numel() for p in params if counts_for_norm(p, state))
-    replica0 = int(state.dp_rank == 0 and state.cp_rank == 0)
-    mine = torch.tensor([sum(p.numel() for p in params), counted * replica0, state.pp_rank, replica0], device=state.device)
+    replica0 = int(state.dp_rank == 0 and state.cp_rank == 0)  # DP/CP replicas hold the same parameters
+    counted = sum(p.numel() for p in params if counts_for_norm(p, state)) * replica0
+    on_stage = sum(p.numel() for p in params if once_over_tp(p)) * replica0  # a tied head copy counts here
+    mine = torch.tensor([sum(p.numel() for p in params), counted, state.pp_rank, on_stage], device=state.device)
     rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine)
     table = torch.stack(rows).cpu().tolist()
     per_stage = [0] * state.pp_size
-    for local, _, pp, first in table:
-        per_stage[pp] += local * first
+    for _, _, pp, stage_part in table:
+        per_stage[pp] += stage_part
     return ParameterCounts(sum(r[1] for r in table), [r[0] for r in table], per_stage)
 
 
