@@ -50,8 +50,17 @@ terms (they act on the sequence shard). Selective recompute (tricorn.parallel.re
 the SDPA state (flash: 4a/(ht); math: 3e/t and the s x s terms, while q, k, v held by the checkpoint are the
 QKV and RoPE terms again); mlp removes the MLP term (under SP it also turns w1's all-gathered input, e, into
 the norm output's shard the checkpoint holds, e/t); norm removes the norm outputs, 2e without SP - under SP
-only the shard a checkpointed MLP would hold, since QKV and w1 keep their own all-gathered copies. Full recompute keeps only the layer input, e*sbh (/t under SP) per group of N
-layers - plus, transiently during backward, one group's full activations.
+only the shard a checkpointed MLP would hold, since QKV and w1 keep their own all-gathered copies. Full
+recompute keeps only the layer input, e*sbh (/t under SP) per group of N layers - plus, transiently during
+backward, one group's full activations.
+
+Checked: the probe equals this formula to the byte on CPU (fp32 and bf16, TP and SP, every recompute
+variant; tests/test_activation_probe.py). The GPU rows assume torch's fused rms_norm (input + rstd kept),
+bool dropout masks and flash / memory-efficient SDPA; they were not measured on a GPU here.
+tricorn/planning/memory.py (TRICORN profile) gives the same numbers except in three places: it counts the
+math attention path's s x s tensors only when its profile says so (not from --attention-dropout on CPU),
+under SP it keeps w1's all-gathered input with selective "mlp" and drops both all-gathered inputs with
+"norm" (measured: the opposite), and it counts one fp32 statistic per token for LayerNorm (which keeps two).
 
 No collectives. Memory effect of the probe: one Python holder per saved tensor, released with the graph.
 """
