@@ -59,8 +59,9 @@ variant; tests/test_activation_probe.py). The GPU rows assume torch's fused rms_
 bool dropout masks and flash / memory-efficient SDPA; they were not measured on a GPU here.
 tricorn/planning/memory.py (TRICORN profile) gives the same numbers except in three places: it counts the
 math attention path's s x s tensors only when its profile says so (not from --attention-dropout on CPU),
-under SP it keeps w1's all-gathered input with selective "mlp" and drops both all-gathered inputs with
-"norm" (measured: the opposite), and it counts one fp32 statistic per token for LayerNorm (which keeps two).
+under SP it still counts w1's all-gathered input with selective "mlp" (measured: only the e/t shard stays)
+and drops both all-gathered inputs with "norm" (measured: they stay), and it counts one fp32 statistic per
+token for LayerNorm (which keeps two).
 
 No collectives. Memory effect of the probe: one Python holder per saved tensor, released with the graph.
 """
