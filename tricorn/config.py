@@ -522,6 +522,8 @@ def validate(cfg: Config) -> list[str]:
             import_te()
         except TransformerEngineUnavailable as e:
             errs.append(str(e))
+    if t.fp8_format and not (t.bf16 or t.fp16):
+        errs.append("--fp8-format needs --bf16 (FP8 GEMMs keep bf16 weights and activations around them)")
     if t.fp8_format and m.transformer_impl != "transformer_engine":
         errs.append("--fp8-format needs --transformer-impl transformer_engine")
     if not errs:

@@ -52,11 +52,19 @@ def build(cfg: Config, state):
 
     tracker = seed_everything(cfg.training.seed, state.pp_rank, state.tp_rank, state.device)
     spec = apply_context_parallel(tensor_parallel_spec(cfg, state.tp_group, tracker), state.cp_group, cfg.model.seq_length)
+    if cfg.model.transformer_impl == "transformer_engine":
+        from tricorn.parallel.te import te_spec
+
+        spec = te_spec(spec, cfg, state.tp_group)
     # One chunk per virtual pipeline stage of this rank (the whole model without PP).
     chunks = build_model_chunks(cfg, spec, state.pp_rank, state.tp_size, state.device)
     apply_recompute(chunks, cfg.model, tracker)  # --recompute-granularity: checkpoint layers / modules in place
     for chunk in chunks:
         cast_params(chunk, cfg)
+    if cfg.training.fp8_format:
+        from tricorn.parallel.te import enable_fp8
+
+        enable_fp8(chunks, cfg, state.dp_cp_group)
     optimizer = Optimizer(cfg, state, chunks)
     # Counts what iteration 1 saves for backward; write_memory_report reads it after that iteration.
     attach_trainer_probe(chunks, forwards=cfg.num_microbatches * len(chunks))
