@@ -66,20 +66,10 @@ def _port_clash(stderr: str) -> bool:
     return "address already in use" in stderr.lower() or "EADDRINUSE" in stderr
 
 
-def run_layout(
-    flags: list[str],
-    nproc: int,
-    workdir: Path,
-    timeout: float = 240,
-    check: bool = True,
-    env: Optional[dict] = None,
-    attempts: int = 3,
-) -> RunResult:
-    """Launch `pretrain_gpt.py flags` as `nproc` ranks (RANK/WORLD_SIZE env, like torchrun) and collect metrics."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    metrics = workdir / "metrics.jsonl"
-    if metrics.exists():
-        metrics.unlink()
+def spawn_ranks(
+    cmd: list[str], nproc: int, timeout: float, cwd: Optional[Path] = None, env: Optional[dict] = None
+) -> list[tuple[int, str, str]]:
+    """Start `cmd` as nproc ranks with torchrun's environment on a fresh port; (exit code, stdout, stderr) per rank."""
     port = free_port()
     procs = []
     for rank in range(nproc):
@@ -94,8 +84,7 @@ def run_layout(
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
         }
-        cmd = [sys.executable, str(ENTRY), *flags, "--metrics-file", str(metrics)]
-        procs.append(subprocess.Popen(cmd, cwd=workdir, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
     try:
         for p in procs:
@@ -104,8 +93,27 @@ def run_layout(
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    code = max(abs(p.returncode) for p in procs)
-    result = RunResult(code, stdout=outs[0][0], stderr="\n".join(o[1] for o in outs))
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def run_layout(
+    flags: list[str],
+    nproc: int,
+    workdir: Path,
+    timeout: float = 240,
+    check: bool = True,
+    env: Optional[dict] = None,
+    attempts: int = 3,
+) -> RunResult:
+    """Launch `pretrain_gpt.py flags` as `nproc` ranks (RANK/WORLD_SIZE env, like torchrun) and collect metrics."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics = workdir / "metrics.jsonl"
+    if metrics.exists():
+        metrics.unlink()
+    cmd = [sys.executable, str(ENTRY), *flags, "--metrics-file", str(metrics)]
+    ranks = spawn_ranks(cmd, nproc, timeout, cwd=workdir, env=env)
+    code = max(abs(rc) for rc, _, _ in ranks)
+    result = RunResult(code, stdout=ranks[0][1], stderr="\n".join(err for _, _, err in ranks))
     if metrics.exists():
         result.records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     if code != 0 and _port_clash(result.stderr) and attempts > 1:
@@ -150,27 +158,10 @@ def assert_equivalent(
 
 def run_script(script: Path, nproc: int, args: Optional[list[str]] = None, timeout: float = 120) -> str:
     """Run a worker script as nproc gloo ranks (env rendezvous); fail with its stderr if any rank fails."""
-    port = free_port()
-    procs = []
-    for rank in range(nproc):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(nproc),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), *(args or [])], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-    outs = [p.communicate(timeout=timeout) for p in procs]
-    failed = [(rank, p.returncode, err) for rank, (p, (_out, err)) in enumerate(zip(procs, outs)) if p.returncode != 0]
+    ranks = spawn_ranks([sys.executable, str(script), *(args or [])], nproc, timeout)
+    failed = [(rank, rc, err) for rank, (rc, _out, err) in enumerate(ranks) if rc != 0]
     if failed:
         # The first traceback is usually the cause; the other ranks then report closed connections.
         rank, code, err = next((f for f in failed if "Traceback" in f[2] and "Connection closed" not in f[2]), failed[0])
         raise AssertionError(f"{script.name} failed on rank {rank} (exit {code}):\n{err[-3000:]}")
-    return outs[0][0]
+    return ranks[0][1]

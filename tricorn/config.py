@@ -4,8 +4,8 @@ The dataclasses are the single source of truth. The command line is generated
 from their fields (``--num-layers`` <- ``ModelConfig.num_layers``), a YAML file
 (``--config``) uses the same names grouped by section, and command-line flags
 override the file. ``validate`` checks a config before any process group exists
-and returns one human sentence per problem; ``parse_config`` prints them and
-exits 2 without a traceback.
+and returns one human sentence per problem; the entry point
+(tricorn.training.main.resolve_config) prints them and exits 2 without a traceback.
 
 No collectives and no device work happen here.
 """
@@ -17,7 +17,6 @@ import dataclasses
 import difflib
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -541,28 +540,6 @@ def _validate_unsupported(cfg: Config) -> list[str]:
     """Combinations that are refused until the feature lands (each refusal names the flag)."""
     errs: list[str] = []
     return errs
-
-
-def parse_config(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> Config:
-    """CLI entry: parse, validate, and on error print one line per problem and exit 2."""
-    try:
-        cfg = config_from_args(argv, world_size)
-        if cfg.device == "cuda" and not _cuda_ok():
-            raise ConfigError("--device cuda was given but no CUDA device is visible; use --device cpu")
-        errs = validate(cfg)
-    except ConfigError as e:
-        errs = [str(e)]
-    if errs:
-        for e in errs:
-            print(f"tricorn: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    return cfg
-
-
-def _cuda_ok() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def dump_yaml(cfg: Config) -> str:

@@ -20,6 +20,8 @@ def resolve_config(argv: Optional[list[str]]) -> Config:
 
     try:
         cfg = config_from_args(argv, world_size=world_size_from_env())
+        if cfg.device == "cuda" and not _cuda_visible():
+            raise ConfigError("--device cuda was given but no CUDA device is visible; use --device cpu")
         errors = _prepare_vocab(cfg)
         errors += validate(cfg) if not errors else []
     except ConfigError as e:
@@ -29,6 +31,12 @@ def resolve_config(argv: Optional[list[str]]) -> Config:
             print(f"tricorn: error: {e}", file=sys.stderr)
         sys.exit(2)
     return cfg
+
+
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _prepare_vocab(cfg: Config) -> list[str]:
