@@ -1,0 +1,261 @@
+"""Benchmark: bytes each process group moves in one training iteration, beside the theoretical minimum.
+
+Each layout runs as N gloo processes on CPU (tiny model). After a warm-up
+iteration, every torch.distributed collective of the next iteration is counted
+per process group as *bus bytes per rank* - what a ring algorithm moves:
+
+    all-reduce of n bytes        2 (p-1)/p n
+    reduce-scatter (input n)     (p-1)/p n
+    all-gather (output n)        (p-1)/p n
+
+so a reduce-scatter plus an all-gather of the same buffer equals one all-reduce.
+Theoretical minimum per layout:
+
+    DP (DDP)                   one all-reduce of the gradients
+    DP (distributed optimizer) reduce-scatter of the gradients + all-gather of the parameters
+                               (also the yardstick for ZeRO-2/3, which trade volume for memory)
+    TP (Megatron, no SP)       per microbatch 4L+2 all-reduces of [b, s, h] activations (2 per layer
+                               forward and backward, the embedding output, the head input's gradient)
+                               plus the vocab-parallel loss's 3 fp32 [b, s] all-reduces
+    TP with SP                 the same volume as reduce-scatters/all-gathers (+ the SP norm grads)
+
+The data-parallel rows sum the DP and DP x CP groups (the trainer's token-count
+and loss scalars ride on them too). Goal: ratio 1.00.
+
+    .venv/bin/python bench/comm_volume.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FLAGS = (
+    "--device cpu --mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+    "--max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 4 --train-iters 3 --lr 1e-3 "
+    "--vocab-size 500 --log-interval 1000"
+).split()
+LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "DP=4 DDP": (4, []),
+    "DP=4 distributed optimizer": (4, ["--use-distributed-optimizer"]),
+    # ZeRO-2 reduce-scatters every microbatch (2 here) and ZeRO-3 gathers parameters for forward and
+    # backward: their ratios against the ZeRO-1 minimum show what the memory saving costs.
+    "DP=4 ZeRO-2, 2 microbatches": (4, ["--zero-stage", "2", "--global-batch-size", "8"]),
+    "DP=4 ZeRO-3": (4, ["--zero-stage", "3"]),
+    "TP=2": (2, ["--tensor-model-parallel-size", "2"]),
+    "TP=2 SP": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+}
+# factor of the payload a ring moves per rank, in units of (p-1)/p
+RING = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+# function -> (kind, position of its `group` argument)
+COLLECTIVES = {
+    "all_reduce": ("all_reduce", 2),
+    "reduce_scatter_single": ("reduce_scatter", 3),
+    "reduce_scatter_tensor": ("reduce_scatter", 3),
+    "all_gather_single": ("all_gather", 2),
+    "all_gather_into_tensor": ("all_gather", 2),
+    "all_gather": ("all_gather", 2),
+    "broadcast": ("broadcast", 2),
+}
+
+
+# ---------------------------------------------------------------- worker side
+
+
+@dataclass
+class Counter:
+    names: dict[int, str]
+    bus_bytes: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    originals: dict = field(default_factory=dict)
+    local: threading.local = field(default_factory=threading.local)
+
+    def install(self) -> None:
+        import torch.distributed as dist
+
+        for fn_name, (kind, group_at) in COLLECTIVES.items():
+            original = getattr(dist, fn_name)
+            self.originals[fn_name] = original
+            setattr(dist, fn_name, self._wrap(original, kind, group_at))
+
+    def uninstall(self) -> None:
+        import torch.distributed as dist
+
+        for fn_name, original in self.originals.items():
+            setattr(dist, fn_name, original)
+
+    def _wrap(self, original, kind: str, group_at: int):
+        def counted(*args, **kwargs):
+            if getattr(self.local, "inside", False):  # a deprecated alias calling the new name: count once
+                return original(*args, **kwargs)
+            self.local.inside = True
+            try:
+                group = kwargs.get("group", args[group_at] if len(args) > group_at else None)
+                self._count(kind, group, args, kwargs)
+                return original(*args, **kwargs)
+            finally:
+                self.local.inside = False
+
+        return counted
+
+    def _count(self, kind: str, group, args: tuple, kwargs: dict) -> None:
+        import torch
+        import torch.distributed as dist
+
+        tensors = [a for a in (*args[:2], *kwargs.values()) if isinstance(a, torch.Tensor)]
+        lists = [a for a in args[:2] if isinstance(a, list)]
+        if kind == "all_gather" and lists:  # all_gather(list_of_outputs, tensor)
+            payload = sum(t.numel() * t.element_size() for t in lists[0])
+        elif kind == "reduce_scatter" or kind == "all_gather":
+            payload = max(t.numel() * t.element_size() for t in tensors)  # the full-size side
+        else:
+            payload = tensors[0].numel() * tensors[0].element_size()
+        p = dist.get_world_size(group)
+        name = self.names.get(id(group if group is not None else dist.group.WORLD), "other")
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.bus_bytes[name] = self.bus_bytes.get(name, 0.0) + RING[kind] * (p - 1) / p * payload
+
+
+def group_names(state) -> dict[int, str]:
+    import torch.distributed as dist
+
+    names: dict[int, str] = {}
+    for name in ("tp", "pp", "dp", "cp", "dp_cp", "mp", "embedding"):
+        group = getattr(state, f"{name}_group")
+        if group is not None:
+            names.setdefault(id(group), name)
+    names.setdefault(id(dist.group.WORLD), "world")
+    return names
+
+
+def theory(cfg, state, optimizer) -> dict[str, float]:
+    """Minimum bus bytes per rank for this layout, by row ('dp' or 'tp')."""
+    import torch
+
+    out: dict[str, float] = {}
+    params = optimizer.params
+    numel = sum(p.numel() for p in params)
+    grad_bytes = torch.finfo(optimizer.opts.grad_dtype).bits // 8
+    param_bytes = params[0].element_size()
+    p = state.dp_size * state.cp_size
+    if p > 1:
+        grad_volume = numel * grad_bytes
+        if optimizer.opts.distributed:
+            out["dp"] = (p - 1) / p * (grad_volume + numel * param_bytes)
+        else:
+            out["dp"] = 2 * (p - 1) / p * grad_volume
+    t = state.tp_size
+    if t > 1:
+        m, tr = cfg.model, cfg.training
+        tokens = tr.micro_batch_size * m.seq_length
+        activation = tokens * m.hidden_size * param_bytes
+        per_microbatch = (4 * m.num_layers + 2) * activation + 3 * tokens * 4
+        out["tp"] = 2 * (t - 1) / t * per_microbatch * cfg.num_microbatches
+        if cfg.parallel.sequence_parallel:  # norm weights (and row biases) see a sequence shard: their grads are summed
+            sp = sum(q.numel() for q in params if getattr(q, "sequence_parallel", False))
+            out["tp"] += 2 * (t - 1) / t * sp * grad_bytes
+    return out
+
+
+def worker(layout: str) -> None:
+    import torch.distributed as dist
+
+    from tricorn.parallel.state import destroy_parallel, init_parallel
+    from tricorn.training.logging import MetricsLogger
+    from tricorn.training.loop import Trainer
+    from tricorn.training.main import build, build_loaders, resolve_config
+
+    cfg = resolve_config(FLAGS + LAYOUTS[layout][1])
+    state = init_parallel(cfg)
+    chunks, optimizer, forward_backward, _ = build(cfg, state)
+    train_loader, _ = build_loaders(cfg, state)
+    trainer = Trainer(
+        cfg=cfg,
+        state=state,
+        chunks=chunks,
+        optimizer=optimizer,
+        train_loader=train_loader,
+        valid_loader=None,
+        logger=MetricsLogger(cfg, rank=1),
+        forward_backward=forward_backward,
+    )
+    trainer.run_iteration()  # warm-up: first-iteration-only work is not counted
+    counter = Counter(group_names(state))
+    counter.install()
+    try:
+        trainer.run_iteration()
+    finally:
+        counter.uninstall()
+    rows = [None] * state.world_size
+    dist.all_gather_object(rows, {"bus_bytes": counter.bus_bytes, "calls": counter.calls})
+    if state.rank == 0:
+        print("RESULT " + json.dumps({"ranks": rows, "theory": theory(cfg, state, optimizer)}), flush=True)
+    destroy_parallel()
+
+
+# ---------------------------------------------------------------- driver side
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_layout(layout: str) -> dict:
+    nproc = LAYOUTS[layout][0]
+    port = _free_port()
+    procs = []
+    for rank in range(nproc):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank)}
+        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+        cmd = [sys.executable, __file__, "--worker", layout]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise SystemExit(f"comm_volume: layout '{layout}' failed:\n{err[-2000:]}")
+    line = next(x for x in outs[0][0].splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def summarize(layout: str, result: dict) -> list[dict]:
+    """One row per parallel dimension: the busiest rank's bytes beside the minimum."""
+    rows = []
+    groups = {"dp": ("dp", "dp_cp"), "tp": ("tp", "mp")}
+    for row, minimum in result["theory"].items():
+        moved = max(sum(r["bus_bytes"].get(g, 0.0) for g in groups[row]) for r in result["ranks"])
+        calls = max(sum(r["calls"].get(g, 0) for g in groups[row]) for r in result["ranks"])
+        rows.append(
+            {"layout": layout, "group": row, "calls": calls, "bytes": moved, "minimum": minimum, "ratio": moved / minimum}
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
+    rows = [row for layout in LAYOUTS for row in summarize(layout, run_layout(layout))]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"{'layout':<28} {'group':<6} {'calls':>6} {'bus bytes/rank':>15} {'minimum':>12} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['layout']:<28} {r['group']:<6} {r['calls']:>6} {r['bytes']:>15,.0f} {r['minimum']:>12,.0f} {r['ratio']:>6.3f}")
+
+
+if __name__ == "__main__":
+    main()
