@@ -158,8 +158,8 @@ class Optimizer:
             s.step(g)
             if gather:
                 s.bucket.start_param_gather()
-        if not self.opts.overlap_param_gather:
-            self.finish_param_sync()
+        if not self.opts.overlap_param_gather or self.iteration >= self.cfg.training.train_iters:
+            self.finish_param_sync()  # with overlap, the next forward waits; after the last step nothing would
         self._after_step()
         return StepInfo(grad_norm=norm, loss_scale=scale)
 
