@@ -226,6 +226,8 @@ class DataParallel:
             groups = plan_buckets(params, opts.bucket_size, lambda p: separate and id(p) in tied)
         self.buckets = [Bucket(i, g, opts, self.group) for i, g in enumerate(groups) if g]
         self.slot_of: dict[int, tuple[Bucket, Slot]] = {id(s.param): (b, s) for b in self.buckets for s in b.slots}
+        if len(self.slot_of) != sum(len(b.slots) for b in self.buckets) or len(self.slot_of) != len(params):
+            raise ValueError("every trainable parameter must sit in exactly one bucket (a parameter shared by two ZeRO-3 units?)")
         self._pack_params(state.device)
         self._allocate_grads(state.device)
         for b in self.buckets:
