@@ -4,13 +4,17 @@ The module fixture runs scripts/slurm_local/start.sh (installing Debian's slurm-
 they are missing) and stops the daemons at the end. The tests are skipped - loudly, with the reason - only where
 the machine cannot run slurmd at all (not Linux, not root, or the packages can be neither found nor installed).
 
-``LocalSlurm`` is the handle later tests use: submit an sbatch script with an environment, wait for states,
-read ``scontrol show job`` fields, signal the batch shell, requeue.
+``LocalSlurm`` is the handle the tests use: submit an sbatch script with an environment, wait for states,
+read ``scontrol show job`` fields, signal the batch shell, requeue. The main test sbatches the CPU variant of
+a generated script running the real pretrain_gpt.py on 2 tasks, signals it with ``scancel --batch
+--signal=USR1`` (what ``--signal=B:USR1@180`` does before the time limit) and checks the whole cycle: trained
+and checkpointed, saved on the signal, requeued, resumed from that checkpoint and finished. About 40 s.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -164,37 +168,14 @@ def test_two_task_job_runs(slurm: LocalSlurm, tmp_path: Path) -> None:
     assert "hello from rank 0 of 2 local 0" in out and "hello from rank 1 of 2 local 1" in out
 
 
-# A stand-in for pretrain_gpt.py with the contract the generated script relies on: it resumes from --load,
-# and on SIGUSR1 (--exit-signal-handler --exit-signal SIGUSR1) it saves to --save and exits 0.
-FAKE_TRAINER = r"""
-import os, signal, sys, time
-args = sys.argv[1:]
-save, load = args[args.index("--save") + 1], args[args.index("--load") + 1]
-iters = int(args[args.index("--train-iters") + 1])
-assert "--exit-signal-handler" in args and args[args.index("--exit-signal") + 1] == "SIGUSR1"
-rank = int(os.environ["SLURM_PROCID"])
-latest = os.path.join(load, "latest")
-it = int(open(latest).read()) if os.path.exists(latest) else 0
-print(f"rank {rank} starts at iteration {it}, restart {os.environ.get('SLURM_RESTART_COUNT', '0')}", flush=True)
-stop = []
-signal.signal(signal.SIGUSR1, lambda *a: stop.append(True))
-
-def checkpoint():
-    if rank == 0:
-        with open(os.path.join(save, "latest.tmp"), "w") as fh:
-            fh.write(str(it))
-        os.replace(os.path.join(save, "latest.tmp"), os.path.join(save, "latest"))
-
-while it < iters:
-    time.sleep(0.1)
-    it += 1
-    if stop:
-        checkpoint()
-        print(f"rank {rank} saved iteration {it} on SIGUSR1", flush=True)
-        sys.exit(0)
-checkpoint()
-print(f"rank {rank} finished at iteration {it}", flush=True)
-"""
+# The CPU variant of a generated script trains the tiny preset (shrunk to seq 64, one sample per rank) on mock
+# data. TRAIN_ITERS is far more than run 1 can reach before the test signals it (a checkpoint at SAVE_INTERVAL,
+# then USR1 within ~1 s, at ~40 ms an iteration), and few enough that run 2 finishes them in seconds.
+TRAIN_ITERS, SAVE_INTERVAL = 150, 4
+TRAIN_ARGS = (
+    "--model-preset tiny --seq-length 64 --micro-batch-size 1 --global-batch-size 2 --lr 1e-3 --log-interval 1 "
+    f"--train-iters {TRAIN_ITERS} --save-interval {SAVE_INTERVAL} --keep-last-n-checkpoints 2"
+).split()
 
 
 def cpu_job(train_args: list[str]) -> sbatch.SbatchJob:
@@ -211,26 +192,54 @@ def cpu_job(train_args: list[str]) -> sbatch.SbatchJob:
     )
 
 
-def test_generated_script_saves_requeues_and_resumes_on_usr1(slurm: LocalSlurm, tmp_path: Path) -> None:
-    fake_dir = tmp_path / "checkout"
-    fake_dir.mkdir()
-    (fake_dir / "pretrain_gpt.py").write_text(FAKE_TRAINER)
+def _iterations_logged(text: str) -> list[int]:
+    """Iteration numbers of the trainer's console lines (` iteration   12/  150 | ...`), in order."""
+    return [int(m) for m in re.findall(r"^ iteration +(\d+)/", text, flags=re.M)]
+
+
+def test_generated_script_trains_saves_requeues_and_resumes_on_usr1(slurm: LocalSlurm, tmp_path: Path) -> None:
+    """sbatch the real trainer; USR1 to the batch shell -> the tasks save and exit 0 -> requeue -> resume -> finish."""
     script = tmp_path / "cpu.sbatch"
-    script.write_text(sbatch.render(cpu_job(["--model-preset", "tiny", "--train-iters", "60"])))
-    env = {"TRICORN_DIR": str(fake_dir), "PYTHON": sys.executable, "RUN_DIR": str(tmp_path / "run"), "DATA_ARGS": "--mock-data"}
+    script.write_text(sbatch.render(cpu_job(TRAIN_ARGS)))
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints"
+    env = {
+        "TRICORN_DIR": str(REPO),
+        "PYTHON": sys.executable,
+        "RUN_DIR": str(run_dir),
+        "DATA_ARGS": "--mock-data --vocab-size 512",
+    }
+    t0 = time.monotonic()
     job = slurm.submit(script, env=env)
     out_file = tmp_path / f"tricorn-cpu-{job}.out"
-    wait_for_text(out_file, "rank 1 starts at iteration 0", timeout=60)
-    time.sleep(1.0)
+    phases: dict[str, float] = {}
+
+    # Run 1 trains and writes its first checkpoint; then SLURM delivers USR1 to the batch shell.
+    wait_for_text(out_file, f"saved checkpoint {ckpt}/iter_{SAVE_INTERVAL:07d}", timeout=90)
+    phases["first checkpoint"] = time.monotonic() - t0
+    assert int((ckpt / "latest_checkpointed_iteration.txt").read_text()) >= SAVE_INTERVAL  # published, not just begun
     slurm.signal_batch(job, "USR1")
-    wait_for_text(out_file, "requeueing job", timeout=30)
+    phases["signalled"] = time.monotonic() - t0
+    wait_for_text(out_file, "requeueing job", timeout=60)
+    phases["saved, requeued"] = time.monotonic() - t0
     info = slurm.wait(job, states=("COMPLETED", "FAILED", "CANCELLED"), timeout=120)
+    phases["completed"] = time.monotonic() - t0
     text = out_file.read_text()
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", text
-    saved = int(text.split("rank 0 saved iteration ")[1].split()[0])
-    assert 0 < saved < 60
-    assert f"rank 0 starts at iteration {saved}, restart 1" in text  # resumed from the same checkpoint dir
-    assert "rank 0 finished at iteration 60" in text
-    assert text.count("restart 0 on") == 1 and text.count("restart 1 on") == 1  # --open-mode=append kept both runs
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "60"
-    assert (tmp_path / "run" / "tensorboard" / str(job)).is_dir()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", text
+    print("local SLURM job " + ", ".join(f"{k} at {v:.1f}s" for k, v in phases.items()))
+
+    run1, run2 = text.split(f"tricorn: job {job} restart 1 on", 1)
+    assert f"tricorn: job {job} restart 0 on" in run1 and "tricorn: USR1 received" in run1, text
+    # Run 1: trained, saved on the signal after iteration N < TRAIN_ITERS, exited 0, and the script requeued it.
+    stop = re.search(r"exiting after iteration (\d+): received SIGUSR1 \(checkpoint saved\)", run1)
+    assert stop, run1
+    saved = int(stop.group(1))
+    assert SAVE_INTERVAL <= saved < TRAIN_ITERS and _iterations_logged(run1) == list(range(1, saved + 1)), run1
+    assert f"saved checkpoint {ckpt}/iter_{saved:07d}" in run1 and "trainer exited with status 0" in run1
+    # Run 2 (SLURM_RESTART_COUNT=1, appended to the same file): loaded iteration N and continued to the end.
+    assert f"checkpoint: loading {ckpt}/iter_{saved:07d} (latest_checkpointed_iteration.txt)" in run2, run2
+    assert f"checkpoint: resuming after iteration {saved} ({2 * saved} samples consumed" in run2, run2
+    assert _iterations_logged(run2) == list(range(saved + 1, TRAIN_ITERS + 1)), run2
+    assert "tricorn: USR1 received" not in run2 and "requeueing" not in run2
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(TRAIN_ITERS)
+    assert (ckpt / f"iter_{TRAIN_ITERS:07d}").is_dir() and (run_dir / "tensorboard" / str(job) / "memory_report.json").is_file()
