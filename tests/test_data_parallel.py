@@ -8,7 +8,7 @@ from distopt_common import MBS1, reference_extra
 from harness import BASE_FLAGS, assert_equivalent, run_script
 from torch import nn
 
-from tricorn.config import config_from_args
+from tricorn.config import config_from_args, validate
 from tricorn.parallel.data_parallel import dp_options, plan_buckets
 
 WORKER = Path(__file__).parent / "workers" / "dist_opt.py"
@@ -47,7 +47,9 @@ def test_stage_from_flags(flags, stage):
 
 def test_param_gather_overlap_needs_the_distributed_optimizer():
     cfg = config_from_args(["--mock-data", "--vocab-size", "64", "--overlap-param-gather"], world_size=2)
-    assert not dp_options(cfg).overlap_param_gather  # plain DDP has no parameter all-gather to overlap
+    assert any("--overlap-param-gather needs --use-distributed-optimizer" in e for e in validate(cfg))
+    cfg = config_from_args(["--mock-data", "--vocab-size", "64", "--overlap-param-gather", "--zero-stage", "2"], world_size=2)
+    assert validate(cfg) == [] and dp_options(cfg).overlap_param_gather
 
 
 def test_overlap_starts_reductions_during_backward():

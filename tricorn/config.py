@@ -502,6 +502,11 @@ def validate(cfg: Config) -> list[str]:
             f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
             f"{t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}"
         )
+    if p.overlap_param_gather and not (p.use_distributed_optimizer or p.zero_stage > 1):
+        errs.append(
+            "--overlap-param-gather needs --use-distributed-optimizer (plain DDP all-reduces gradients; "
+            "there is no parameter all-gather to overlap)"
+        )
     if t.bf16 and t.fp16:
         errs.append("--bf16 and --fp16 are exclusive; pick one")
     if cfg.device not in ("cpu", "cuda"):

@@ -203,6 +203,11 @@ def _embedding_group(mesh: DeviceMesh, rank: int) -> Optional[dist.ProcessGroup]
     return mine
 
 
-def destroy_parallel() -> None:
+def destroy_parallel(clean_exit: bool = False) -> None:
+    """Tear down the groups. After a clean run every rank first meets at a barrier (gloo can abort
+    a rank whose peer is still finishing its last collective); after an error nobody waits, so the
+    failing rank exits at once and its peers see closed connections instead of hanging."""
     if dist.is_initialized():
+        if clean_exit:
+            dist.barrier()
         dist.destroy_process_group()

@@ -130,6 +130,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     state = init_parallel(cfg)
     logger = MetricsLogger(cfg, state.rank, state.device)
     ckpt = None
+    finished = False
     try:
         chunks, optimizer, forward_backward, tracker = build(cfg, state)
         train_loader, valid_loader = build_loaders(cfg, state)
@@ -141,6 +142,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         trainer.on_iteration_end = ckpt.iteration_hook(exits)
         trainer.train()
         ckpt.finish(trainer)  # the final save, and the wait for a background one
+        finished = True
     except (NaNError, DataError, CheckpointError) as e:
         print(f"tricorn: error: {e}", file=sys.stderr)
         return 1
@@ -148,7 +150,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if ckpt is not None:
             ckpt.close()
         logger.close()
-        destroy_parallel()
+        destroy_parallel(clean_exit=finished)
     return 0
 
 
