@@ -139,7 +139,7 @@ class MetricsLogger:
         self.device = torch.device(device or cfg.device or "cpu")
         self.writer: Optional[Any] = None
         self.metrics_file = None
-        self._logged_upto = 0  # trainer.history index of the first result not yet logged
+        self._last_seconds = 0.0  # the latest iteration's time: the ETA's pace before there is a mean
         self._warmed_up = False  # the first iteration (allocation, caches) is left out of the ETA's pace
         self._iter_seconds, self._iter_count = 0.0, 0
         self._eval_seconds, self._eval_count = 0.0, 0
@@ -266,12 +266,10 @@ class MetricsLogger:
     # ------------------------------------------------------------ per iteration
 
     def log_iteration(self, trainer: Any) -> None:
-        """Log the iterations since the last call (``trainer.history``); all ranks must call it (collectives)."""
+        """Log the iterations since the last call (``trainer.unlogged``, emptied here); all ranks must call it (collectives)."""
         cfg, iteration = self.cfg, trainer.iteration
-        if self._logged_upto > len(trainer.history):  # someone trimmed the history: start over
-            self._logged_upto = 0
-        results = trainer.history[self._logged_upto :]
-        self._logged_upto = len(trainer.history)
+        results = list(trainer.unlogged)
+        trainer.unlogged.clear()  # a run of a million iterations keeps only one log interval
         if not results:
             return
         self.observe_iterations(results)
@@ -366,6 +364,7 @@ class MetricsLogger:
     def observe_iterations(self, results: list[Any]) -> None:
         """Feed the ETA's pace: the seconds of each training iteration (the run's first one is left out)."""
         for r in results:
+            self._last_seconds = r.seconds
             if self._warmed_up:
                 self._iter_seconds += r.seconds
                 self._iter_count += 1
@@ -381,7 +380,7 @@ class MetricsLogger:
         Called after iteration ``trainer.iteration`` and before its evaluation, so that evaluation still counts.
         """
         t, d = self.cfg.training, self.cfg.data
-        pace = self._iter_seconds / self._iter_count if self._iter_count else trainer.history[-1].seconds
+        pace = self._iter_seconds / self._iter_count if self._iter_count else self._last_seconds
         eta = max(t.train_iters - trainer.iteration, 0) * pace
         if getattr(trainer, "valid_loader", None) is not None and d.eval_interval:
             evals = t.train_iters // d.eval_interval - (trainer.iteration - 1) // d.eval_interval

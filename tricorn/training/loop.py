@@ -64,7 +64,7 @@ class Trainer:
     logger: MetricsLogger
     forward_backward: Callable = forward_backward_no_pipelining
     iteration: int = 0
-    history: list = field(default_factory=list)
+    unlogged: list = field(default_factory=list)  # results since the last log line (the logger empties it)
     timers: Timers = field(default_factory=Timers.disabled)  # phase timers (--timing-log-level); main.py passes them
     skipped_iterations: int = 0  # optimizer steps skipped for fp16 overflow, this run
     # Called after each iteration (checkpoint.py: save at --save-interval, exit conditions); True stops training.
@@ -148,14 +148,16 @@ class Trainer:
         """Console line, TensorBoard and metrics of the iterations since the last log (logging.py); all ranks call it."""
         self.logger.log_iteration(self)
 
-    def train(self) -> list[IterationResult]:
+    def train(self) -> None:
         t, d = self.cfg.training, self.cfg.data
+        first_of_run = True
         while self.iteration < t.train_iters:
             result = self.run_iteration()
-            self.history.append(result)
+            self.unlogged.append(result)
             self.skipped_iterations += int(result.skipped)
-            if len(self.history) == 1 and hasattr(self.optimizer, "memory_tensors"):
+            if first_of_run and hasattr(self.optimizer, "memory_tensors"):
                 write_memory_report(self.cfg, self.state, self.optimizer)
+            first_of_run = False
             if self.iteration % self.cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
                 self.log(result)
             if self.valid_loader is not None and d.eval_interval and self.iteration % d.eval_interval == 0:
@@ -165,7 +167,6 @@ class Trainer:
                     stop = self.on_iteration_end(self)
                 if stop:
                     break
-        return self.history
 
     def log_validation(self, loss: Optional[float]) -> None:
         if loss is not None:
