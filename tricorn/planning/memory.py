@@ -13,38 +13,8 @@ weights and biases, row-parallel weights and the vocabulary are divided by TP; n
 replicated on every TP rank; the embedding lives on the first stage, the head on the last, and a tied head is
 a second copy on the last stage when PP > 1.
 
-Activations of one layer for one microbatch (b samples of s tokens on this rank, s already divided by CP),
-in bytes, with e the activation element size (2 in bf16/fp16, 4 in fp32), n the bytes of a saved norm input,
-t = TP, a heads, g key/value groups, d = h/a, f ffn width. "rep" terms are replicated over TP unless sequence
-parallel shards them; the rest is divided by t:
-
-    norm inputs           rep   2 * n * sbh
-    linear inputs         rep   2 * e * sbh            (the norms' outputs, input of QKV and of w1)
-    residual dropout      rep   2 * sbh                (1-byte masks, only with --hidden-dropout > 0)
-    Q, K, V               /t    e * sb(h + 2gd)        (+ e * sb(h + gd): RoPE'd q, k beside the fused QKV output)
-    attention output      /t    e * sbh * copies       (SDPA output and the out-projection's input)
-    attention core        /t    flash: 4 * a*s*b (fp32 log-sum-exp); no s x s tensor is stored
-                                math:  e*as^2b (softmax) + (as^2b mask + e*as^2b) with --attention-dropout > 0
-    MLP                   /t    SwiGLU: e * 4 * sbf (gate|up output, silu output, product); GeLU: e * 2 * sbf
-
-``KORTHIKANTI`` (n = e, one attention output copy, no RoPE copies, sharded SP inputs, math attention) gives
-exactly Korthikanti et al.'s sbh(34 + 5as/h) for a GPT-3 block in fp16, sbh(10 + 24/t + 5as/(ht)) with TP,
-sbh/t(34 + 5as/h) with TP+SP and 34sbh/t with selective recompute. ``TRICORN`` is what tricorn's block keeps:
-fp32 norm inputs (n = 4), the fused QKV output alive beside the RoPE'd q and k, the transposed attention output
-copied for the out projection, flash attention, and under SP the all-gathered inputs of the column-parallel
-linears (the sequence is gathered before the matmul and autograd keeps it).
-
-Recompute: selective drops the attention-core terms and the spare output copy ("core_attn"), the MLP
-intermediates ("mlp"), the norms' outputs ("norm"). Full keeps only each layer's input (e*sbh, /t under SP)
-plus, during backward, one recompute group's full activations.
-
-Microbatches in flight on pipeline stage r of p with M microbatches: 1F1B min(p - r, M); interleaved with v
-chunks min(2(p - r - 1) + (v - 1)p + 1, Mv) chunk-forwards of L/(pv) layers - on the first stage
-L(1 + (p - 1)/(pv)) layers' worth, Korthikanti's factor; GPipe M; no pipeline 1.
-
-Embedding and logits: token ids on the first stage; on the last stage the final norm's input, the head's input
-and the logits at their peak: e bytes per logit (the head output) + 8 (two fp32 copies inside the
-vocab-parallel cross entropy, one of which, the softmax, is kept for backward), over V/t columns.
+Activations (tricorn/planning/activations.py, whose docstring has the formulas): per layer x layers on the
+stage x microbatches in flight, the embedding / head / loss part, and the transient logits.
 Buffers: pipeline send/recv tensors, one DP gradient bucket, ZeRO-3's gathered layer (and its prefetch).
 Overhead: CUDA context, cuBLAS/NCCL workspaces (a fixed ``CUDA_OVERHEAD_BYTES`` on GPU, 0 on CPU).
 
@@ -57,6 +27,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from tricorn.config import Config, ModelConfig
+from tricorn.planning.activations import (  # noqa: F401 - re-exported: the estimator's activation API lives here too
+    KORTHIKANTI,
+    TRICORN,
+    ActivationProfile,
+    activation_element_bytes,
+    embedding_logits_bytes,
+    korthikanti_layer_bytes,
+    layer_activation_bytes,
+    layout_layer_bytes,
+    microbatches_in_flight,
+    other_saved_bytes,
+    stage_activation_bytes,
+)
 
 GiB = 1024**3
 CUDA_OVERHEAD_BYTES = 1 * GiB
@@ -219,174 +202,6 @@ def total_params(model: ModelConfig) -> int:
     return stage_params_per_rank(model, Layout(), 0, model.num_layers)
 
 
-# ---------------------------------------------------------------- activations
-
-
-@dataclass(frozen=True)
-class ActivationProfile:
-    """Which tensors an implementation keeps for backward (see the module docstring)."""
-
-    norm_input_bytes: Optional[float]  # bytes per saved norm-input element; None: the activation size e
-    cpu_rmsnorm_copies: int  # CPU's unfused rms_norm also keeps the normalised input (another copy)
-    norm_stats_bytes: float  # per token and norm (fp32 rstd / mean)
-    norm_weight_fp32_copy: bool  # a 16-bit norm weight is cast to fp32 for each forward, and the copy is saved
-    cpu_dropout_mask_is_activation: bool  # CPU's dropout keeps a noise tensor of the activation dtype, not 1-byte masks
-    flash: bool
-    rope_copies: bool  # RoPE'd q and k kept beside the fused QKV output, plus the cos/sin rows per layer
-    attention_output_copies: int
-    sp_gathered_inputs: bool  # under SP, column-parallel linears keep their all-gathered input
-
-    def norm_bytes(self, e: float, normalization: str, device: str) -> float:
-        base = e if self.norm_input_bytes is None else self.norm_input_bytes
-        return base * (self.cpu_rmsnorm_copies if device == "cpu" and normalization == "RMSNorm" else 1)
-
-    def mask_bytes(self, e: float, device: str) -> float:
-        return e if device == "cpu" and self.cpu_dropout_mask_is_activation else 1
-
-
-TRICORN = ActivationProfile(
-    norm_input_bytes=4,
-    cpu_rmsnorm_copies=2,
-    norm_stats_bytes=4,
-    norm_weight_fp32_copy=True,
-    cpu_dropout_mask_is_activation=True,
-    flash=True,
-    rope_copies=True,
-    attention_output_copies=1,
-    sp_gathered_inputs=True,
-)
-KORTHIKANTI = ActivationProfile(
-    norm_input_bytes=None,
-    cpu_rmsnorm_copies=1,
-    norm_stats_bytes=0,
-    norm_weight_fp32_copy=False,
-    cpu_dropout_mask_is_activation=False,
-    flash=False,
-    rope_copies=False,
-    attention_output_copies=1,
-    sp_gathered_inputs=False,
-)
-
-
-def activation_element_bytes(precision: str) -> int:
-    return 4 if precision == "fp32" else 2
-
-
-def layer_activation_bytes(
-    model: ModelConfig,
-    *,
-    seq: int,
-    micro_batch: int,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    recompute: Optional[str] = None,
-    recompute_modules: tuple[str, ...] = ("core_attn",),
-    precision: str = "bf16",
-    profile: ActivationProfile = TRICORN,
-    device: str = "cuda",
-) -> float:
-    """Bytes one layer keeps for backward for one microbatch of ``micro_batch`` x ``seq`` tokens on one rank."""
-    s, b, h, e = seq, micro_batch, model.hidden_size, activation_element_bytes(precision)
-    a, d, gd, f = model.num_attention_heads, model.head_dim, model.kv_heads * model.head_dim, model.ffn_size
-    sbh = s * b * h
-    sp_div = tp if sequence_parallel else 1
-    if recompute == "full":
-        return e * sbh / sp_div
-    selective = set(recompute_modules) if recompute == "selective" else set()
-    norms = 2 * (profile.norm_bytes(e, model.normalization, device) * sbh + profile.norm_stats_bytes * s * b) / sp_div
-    if profile.norm_weight_fp32_copy and e != 4:
-        norms += 2 * 4 * h * (2 if model.normalization == "LayerNorm" else 1)
-    linear_inputs = 0.0 if "norm" in selective else 2 * e * sbh
-    linear_inputs /= 1 if profile.sp_gathered_inputs else sp_div
-    dropout = 2 * profile.mask_bytes(e, device) * sbh / sp_div if model.hidden_dropout > 0 else 0.0
-    qkv = e * s * b * (h + 2 * gd)
-    rope_tables = 0.0
-    if profile.rope_copies and model.position_embedding_type == "rope":
-        qkv += e * s * b * (h + gd)
-        rope_tables = 4 * e * s * d  # cos and sin rows for q and for k, not per sample, not split by TP
-    copies = profile.attention_output_copies - (1 if "core_attn" in selective else 0)
-    attn_out = e * sbh * max(copies, 1)
-    if "core_attn" in selective:
-        core = 0.0
-    elif profile.flash:
-        core = 4.0 * a * s * b
-    else:
-        core = e * a * s * s * b
-        if model.attention_dropout > 0:
-            core += (profile.mask_bytes(e, device) + e) * a * s * s * b
-    mlp = 0.0 if "mlp" in selective else e * s * b * f * (4 if model.swiglu else 2)
-    return norms + linear_inputs + dropout + rope_tables + (qkv + attn_out + core + mlp) / tp
-
-
-def korthikanti_layer_bytes(
-    s: int, b: int, h: int, a: int, tp: int = 1, sp: bool = False, recompute: Optional[str] = None
-) -> float:
-    """Korthikanti et al. 2022, Table 2: activation bytes per GPT-3 layer (fp16, dropout, no flash attention)."""
-    if recompute == "full":
-        return 2 * s * b * h / (tp if sp else 1)
-    if recompute == "selective":
-        return s * b * h * 34 / tp if sp else s * b * h * (10 + 24 / tp)
-    if sp:
-        return s * b * h / tp * (34 + 5 * a * s / h)
-    return s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-
-
-def microbatches_in_flight(layout: Layout, stage: int) -> float:
-    """Forward passes of the whole stage whose activations are alive at the stage's peak."""
-    p, v, m = layout.pp, layout.vpp, layout.num_microbatches
-    if p == 1:
-        return 1.0
-    if layout.schedule == "gpipe":
-        return float(m)
-    if v == 1:
-        return float(min(p - stage, m))
-    chunk_forwards = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
-    return chunk_forwards / v
-
-
-def stage_activation_bytes(model: ModelConfig, layout: Layout, stage: int, layers: int, profile: ActivationProfile) -> float:
-    """Transformer-layer activations alive on ``stage`` at its peak (full recompute: stored inputs + one group)."""
-    seq = model.seq_length // layout.cp
-    common = dict(
-        seq=seq, micro_batch=layout.micro_batch, tp=layout.tp, sequence_parallel=layout.sequence_parallel, device=layout.device
-    )
-    full_layer = layer_activation_bytes(model, **common, precision=layout.precision, profile=profile)
-    in_flight = microbatches_in_flight(layout, stage)
-    if layout.recompute != "full":
-        per_layer = layer_activation_bytes(
-            model,
-            **common,
-            recompute=layout.recompute,
-            recompute_modules=layout.recompute_modules,
-            precision=layout.precision,
-            profile=profile,
-        )
-        return per_layer * layers * in_flight
-    stored = layer_activation_bytes(model, **common, recompute="full", precision=layout.precision, profile=profile)
-    n = max(1, layout.recompute_num_layers or 1)
-    if layout.recompute_method == "block":
-        recomputed = min(n * layout.vpp, layers)  # per model chunk
-        return (recomputed * stored + (layers - recomputed) * full_layer) * in_flight + full_layer
-    groups = -(-layers // n)  # uniform: one stored input per group of n layers, one group rebuilt at a time
-    return groups * stored * in_flight + min(n, layers) * full_layer
-
-
-def embedding_logits_bytes(model: ModelConfig, layout: Layout, stage: int, profile: ActivationProfile) -> float:
-    s, b, h, tp = model.seq_length // layout.cp, layout.micro_batch, model.hidden_size, layout.tp
-    e = activation_element_bytes(layout.precision)
-    total = 0.0
-    if stage == 0:
-        ids = 8 + (9 if tp > 1 else 0)  # int64 token ids; with TP also the local ids and the out-of-range mask
-        total += ids * s * b * microbatches_in_flight(layout, 0)
-    if stage == layout.pp - 1:
-        sp_div = tp if layout.sequence_parallel else 1
-        head_input = e * s * b * h / (1 if profile.sp_gathered_inputs else sp_div)
-        norm_input = (profile.norm_bytes(e, model.normalization, layout.device) * h + profile.norm_stats_bytes) * s * b / sp_div
-        logits = (e + 8) * s * b * model.padded_vocab_size(tp) / tp
-        total += norm_input + head_input + logits
-    return total
-
-
 # ---------------------------------------------------------------- the estimate
 
 
@@ -406,6 +221,10 @@ class MemoryEstimate:
     buffer_bytes: float
     overhead_bytes: float
     microbatches_in_flight: float
+    # Per microbatch, what memory_report.json's probe measures: one layer (before full recompute's rebuild),
+    # and the embedding / final norm / head / loss outside the layers (without the transient logits).
+    activation_bytes_per_layer: float = 0.0
+    activation_bytes_other: float = 0.0
     per_stage_total_bytes: list[float] = field(default_factory=list)
 
     @property
@@ -476,6 +295,8 @@ def estimate(
             buffer_bytes=_buffers(model, layout, n_params),
             overhead_bytes=CUDA_OVERHEAD_BYTES if layout.device == "cuda" else 0.0,
             microbatches_in_flight=microbatches_in_flight(layout, stage),
+            activation_bytes_per_layer=layout_layer_bytes(model, layout, profile) if n_layers else 0.0,
+            activation_bytes_other=other_saved_bytes(model, layout, stage, profile),
         )
         totals.append(est.total_bytes)
         if best is None or est.total_bytes > best.total_bytes:
