@@ -89,11 +89,10 @@ def global_grad_norm(
     params: Iterable[torch.Tensor], state: ParallelState, dp_sharded: bool = False, grad_fn: GradFn = grad_of
 ) -> float:
     """L2 norm over the whole model, every parameter counted once (see module docstring)."""
+    grads = [g for p in params if (g := grad_fn(p)) is not None and g.numel() and counts_for_norm(p, state)]
     squares = torch.zeros((), dtype=torch.float32, device=state.device)
-    for p in params:
-        g = grad_fn(p)
-        if g is not None and counts_for_norm(p, state):
-            squares += g.float().pow(2).sum()
+    if grads:  # one fused kernel per dtype/device group instead of a Python loop of pow/sum
+        squares = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).pow(2).sum()
     dist.all_reduce(squares, group=state.mp_group)
     if dp_sharded:
         dist.all_reduce(squares, group=state.dp_cp_group)

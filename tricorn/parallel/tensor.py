@@ -36,7 +36,7 @@ from torch import nn
 
 from tricorn.config import Config
 from tricorn.model.init import SHARD_ATTR, ShardInfo, shard_info
-from tricorn.model.spec import HeadLinear, LayerSpec, make_norm
+from tricorn.model.spec import HeadLinear, LayerSpec, make_norm, masked_cross_entropy
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
 
@@ -143,23 +143,23 @@ class _ScatterToSeq(torch.autograd.Function):
 
 
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _CopyToTP.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _CopyToTP.apply(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _ReduceFromTP.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
 def gather_from_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _GatherFromSeq.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _GatherFromSeq.apply(x, group)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _ReduceScatterToSeq.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _ReduceScatterToSeq.apply(x, group)
 
 
 def scatter_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _ScatterToSeq.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _ScatterToSeq.apply(x, group)
 
 
 # ---------------------------------------------------------------- layers
@@ -296,6 +296,8 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, group) -> torch.Tensor:
+    if dist.get_world_size(group) == 1:  # the whole vocabulary is here: torch's fused loss is cheaper
+        return masked_cross_entropy(logits, labels, vocab_size)
     return _VocabParallelCE.apply(logits, labels, vocab_size, group)
 
 
