@@ -17,6 +17,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
@@ -122,5 +123,7 @@ if __name__ == "__main__":
                 check_trace(extra, overlap)
     else:
         raise SystemExit(f"unknown mode {mode}")
+    dist.barrier()  # exit together: a rank leaving mid-collective aborts gloo on its peers
+    dist.destroy_process_group()
     if STATE.rank == 0:
         print("ok")

@@ -16,6 +16,7 @@ import contextlib
 import os
 
 import torch
+import torch.distributed as dist
 
 from tricorn.config import config_from_args, validate
 from tricorn.data.base import Batch
@@ -144,4 +145,6 @@ CASES = {
 
 for case in CASES[WORLD]:
     run_case(*case)
+dist.barrier()  # exit together: a rank leaving mid-collective aborts gloo on its peers
+dist.destroy_process_group()
 print("ok")
