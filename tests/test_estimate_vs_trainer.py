@@ -8,9 +8,7 @@ memory_report.json is written after iteration 1). Every rank's entry is compared
   issue). The only known gap is Adam's step counter, 4 bytes per parameter tensor in the optimizer state,
   which the estimator leaves out (well under 0.1% here);
 - activations, from the trainer's saved-tensor probe: bytes per layer and outside the layers per microbatch
-  within 10%, and the microbatches in flight exactly. One known difference is added to the estimate rather than
-  hidden: on a first stage without TP the probe counts the rank's whole token batch per microbatch
-  (``_shared_token_storage_bytes``; the estimator's one microbatch of ids x microbatches in flight is the memory).
+  within 10%, and the microbatches in flight exactly.
 
 The layouts are the issue's TP=2, DP=2 with the distributed optimizer (fp32, and bf16 where master params and
 fp32 main grads exist) and PP=2, plus TP=2 with sequence parallelism, selective recompute of the MLP and norms,
@@ -58,22 +56,12 @@ def _measured(name: str, tmp_path_factory) -> tuple[Config, list[dict]]:
     return _runs[name]
 
 
-def _shared_token_storage_bytes(cfg: Config, stage: int) -> int:
-    """What the probe adds on a first stage without TP: the embedding saves its input ids, a view of the rank's
-    whole token batch, and the probe counts a storage in full for every microbatch that saves a view of it - so
-    each microbatch measures all the rank's microbatches' ids where the estimator counts its own (8 bytes/token)."""
-    if stage != 0 or cfg.parallel.tensor_model_parallel_size > 1:  # with TP the embedding saves fresh local ids
-        return 0
-    return 8 * cfg.model.seq_length * cfg.training.micro_batch_size * (cfg.num_microbatches - 1)
-
-
 def _rows(cfg: Config, entries: list[dict], keys: tuple[str, ...]) -> list[tuple[int, int, str, float, float]]:
     """(rank, stage, key, measured, estimated) for every rank and key."""
     rows = []
     for e in sorted(entries, key=lambda e: e["rank"]):
         stage = e["pp_rank"]
         est = estimate_config(cfg, stage=stage).to_dict()
-        est["activation_bytes_other"] += _shared_token_storage_bytes(cfg, stage)
         rows += [(e["rank"], stage, k, float(e[k]), float(est[k])) for k in keys]
     return rows
 

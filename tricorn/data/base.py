@@ -27,8 +27,9 @@ class Batch:
     def slice(self, start: int, stop: int) -> Batch:
         return Batch(self.tokens[start:stop], self.labels[start:stop], self.loss_mask[start:stop])
 
-    def to(self, device: torch.device | str) -> Batch:
-        return Batch(self.tokens.to(device), self.labels.to(device), self.loss_mask.to(device))
+    def to(self, device: torch.device | str, copy: bool = False) -> Batch:
+        """On `device`; with copy=True always fresh storage (a microbatch then never keeps its batch alive)."""
+        return Batch(*(t.to(device, copy=copy) for t in (self.tokens, self.labels, self.loss_mask)))
 
 
 def batch_from_samples(samples: torch.Tensor) -> Batch:

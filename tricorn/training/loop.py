@@ -78,7 +78,9 @@ class Trainer:
 
     def _microbatches(self, batch: Batch, num_microbatches: int) -> list[Batch]:
         size = self.cfg.training.micro_batch_size
-        return [batch.slice(i * size, (i + 1) * size).to(self.state.device) for i in range(num_microbatches)]
+        # Own storage per microbatch (as a host-to-GPU copy gives): a view would keep the whole batch
+        # alive for as long as any microbatch's activations are, on CPU.
+        return [batch.slice(i * size, (i + 1) * size).to(self.state.device, copy=True) for i in range(num_microbatches)]
 
     def _cp_slice(self, mb: Batch) -> Batch:
         return slice_batch(mb, self.state.cp_rank, self.state.cp_size)
