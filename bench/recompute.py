@@ -28,7 +28,8 @@ import torch
 from tricorn.config import ModelConfig
 from tricorn.model.transformer import GPTModel
 from tricorn.parallel.recompute import apply_recompute
-from tricorn.training.activation_probe import ActivationProbe, layer_activation_bytes
+from tricorn.planning.activations import layer_activation_bytes
+from tricorn.training.activation_probe import ActivationProbe
 
 MODES = {
     "none": {},
@@ -116,6 +117,8 @@ def main() -> None:
             micro_batch=args.micro_batch,
             recompute=m.get("recompute_granularity"),
             recompute_modules=m.get("recompute_modules", ()),
+            precision="fp32",
+            device="cpu",
         )
         print(
             f"{mode:<20}{median:>12.3f}{median / base:>10.3f}{statistics.median(wall[mode]):>9.3f}"

@@ -1,4 +1,5 @@
-"""The saved-tensor probe against the per-layer activation formula, recompute savings, de-duplication, in-flight count.
+"""The saved-tensor probe against the per-layer activation formula (planning/activations.py), recompute savings,
+de-duplication, in-flight count.
 
 Run as a script (`python tests/test_activation_probe.py tp`) it is the 2-rank worker of the TP/SP check.
 """
@@ -15,7 +16,8 @@ from torch import nn
 from tricorn.config import ModelConfig
 from tricorn.model.transformer import GPTModel
 from tricorn.parallel.recompute import apply_recompute
-from tricorn.training.activation_probe import ActivationProbe, layer_activation_bytes, layer_activation_terms
+from tricorn.planning.activations import layer_activation_bytes, layer_activation_terms
+from tricorn.training.activation_probe import ActivationProbe
 
 B = 2  # micro batch
 
@@ -35,21 +37,23 @@ def _config(s: int, h: int, **kw) -> ModelConfig:
     return ModelConfig(**(base | kw))
 
 
-def _measure(cfg: ModelConfig, recompute: dict | None = None) -> ActivationProbe:
+def _measure(cfg: ModelConfig, recompute: dict | None = None, dtype: torch.dtype = torch.float32) -> ActivationProbe:
     for key, value in (recompute or {}).items():
         setattr(cfg, key, value)
     torch.manual_seed(0)
     model = GPTModel(cfg, padded_vocab_size=128)
     model.init_weights(1)
+    model.to(dtype)
     apply_recompute([model], cfg)
     tokens = torch.randint(0, 100, (B, cfg.seq_length))
     with ActivationProbe([model]) as probe:
-        model(tokens, tokens).mean().backward()
+        model(tokens, tokens).float().mean().backward()
     return probe
 
 
 def _formula(cfg: ModelConfig, **kw) -> float:
-    return layer_activation_bytes(cfg, seq=cfg.seq_length, micro_batch=B, **kw)
+    """The one formula for the probed CPU block (fp32 unless ``precision`` says otherwise)."""
+    return layer_activation_bytes(cfg, **(dict(seq=cfg.seq_length, micro_batch=B, precision="fp32", device="cpu") | kw))
 
 
 def _within(measured: float, predicted: float, rel: float) -> None:
@@ -104,17 +108,41 @@ def test_formula_agrees_with_korthikanti_style_terms() -> None:
     assert full_sp == 2 * 256 * B * 128 / 4
 
 
-def test_formula_is_consistent_with_the_memory_estimator() -> None:
-    """planning/memory.py's TRICORN profile models the same block; where both apply they must agree."""
-    memory = pytest.importorskip("tricorn.planning.memory")
-    cfg = _config(128, 64, hidden_dropout=0.1)
-    for device, precision in (("cpu", "fp32"), ("cuda", "bf16")):
-        for recompute, modules in ((None, ()), ("selective", ("core_attn",)), ("selective", ("mlp",)), ("full", ())):
-            for tp in (1, 2):
-                kw = dict(seq=128, micro_batch=B, tp=tp, recompute=recompute, recompute_modules=modules, precision=precision)
-                ours = layer_activation_bytes(cfg, device=device, **kw)
-                theirs = memory.layer_activation_bytes(cfg, device=device, **kw)
-                assert ours == pytest.approx(theirs), (device, precision, recompute, modules, tp)
+RECOMPUTE_VARIANTS = [
+    (None, ()),
+    ("selective", ("core_attn",)),
+    ("selective", ("mlp",)),
+    ("selective", ("norm",)),
+    ("selective", ("core_attn", "mlp", "norm")),
+    ("full", ()),
+]
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize(
+    "precision, hidden_dropout, attention_dropout",
+    [("fp32", 0.0, 0.0), ("fp32", 0.1, 0.1), ("bf16", 0.0, 0.0), ("bf16", 0.1, 0.0)],
+)
+def test_probe_equals_the_formula_to_the_byte(
+    normalization: str, precision: str, hidden_dropout: float, attention_dropout: float
+) -> None:
+    """Every recompute variant, LayerNorm's statistics, CPU dropout masks and (fp32, attention dropout) the math
+    SDPA path. Not bf16 with attention dropout: there torch's math SDPA keeps fp32 copies the formula does not
+    count (planning/activations.py's docstring). Full recompute: the chunk's first checkpoint also keeps the
+    int64 position ids."""
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    s = 64
+    for recompute, modules in RECOMPUTE_VARIANTS:
+        cfg = _config(s, 64, normalization=normalization, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout)
+        settings = {
+            None: {},
+            "selective": dict(recompute_granularity="selective", recompute_modules=list(modules)),
+            "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        }[recompute]
+        measured = {layer: values[0] for layer, values in _measure(cfg, settings, dtype).layer_bytes().items()}
+        predicted = _formula(cfg, precision=precision, recompute=recompute, recompute_modules=modules)
+        position_ids = 8 * s if recompute == "full" else 0
+        assert measured == {"0": predicted + position_ids, "1": predicted}, (recompute, modules)
 
 
 # ---------------------------------------------------------------- probe mechanics
@@ -187,11 +215,9 @@ def _tp_worker() -> None:
             with ActivationProbe([model]) as probe:
                 model(tokens, tokens).mean().backward()
             measured = probe.summary().activation_bytes_per_layer
-            predicted = layer_activation_bytes(
-                cfg.model, seq=64, micro_batch=B, tp=2, sequence_parallel=sp, recompute=recompute, recompute_modules=modules
-            )
+            predicted = _formula(cfg.model, tp=2, sequence_parallel=sp, recompute=recompute, recompute_modules=modules)
             what = f"{'sp' if sp else 'tp'} {' '.join(modules) or 'none'}"
-            assert abs(measured - predicted) <= 0.10 * predicted, f"{what}: measured {measured} vs formula {predicted}"
+            assert measured == predicted, f"{what}: measured {measured} vs formula {predicted}"
             print(f"ok {what} {measured} {predicted}", flush=True)
     dist.destroy_process_group()
 

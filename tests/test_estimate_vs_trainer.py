@@ -25,7 +25,6 @@ from harness import BASE_FLAGS, run_layout, with_flag
 from tricorn.config import Config, config_from_args
 from tricorn.planning import estimate as estimate_cli
 from tricorn.planning.memory import estimate_config
-from tricorn.training import activation_probe
 
 MODEL_STATE = ("params_bytes", "grads_bytes", "master_params_bytes", "optimizer_state_bytes")
 ACTIVATIONS = ("activation_bytes_per_layer", "activation_bytes_other")
@@ -115,38 +114,3 @@ def test_estimate_cli_reports_the_worst_measured_rank(tmp_path_factory, capsys) 
     measured = max(sum(e[k] for k in MODEL_STATE) for e in entries)
     estimated = sum(worst[k] for k in MODEL_STATE)
     assert worst["stage"] == 1 and abs(measured - estimated) <= 0.02 * estimated, (measured, estimated)
-
-
-# The estimator's per-layer formula (planning/activations.py) and the probe's (training/activation_probe.py,
-# checked to the byte against autograd in tests/test_activation_probe.py) describe the same block.
-@pytest.mark.parametrize("device, precision", [("cpu", "fp32"), ("cpu", "bf16"), ("cuda", "bf16")])
-@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_estimator_layer_formula_equals_the_probe_formula(
-    device: str, precision: str, normalization: str, dropout: float
-) -> None:
-    from tricorn.config import ModelConfig
-    from tricorn.planning.activations import layer_activation_bytes
-
-    m = ModelConfig(
-        num_layers=2,
-        hidden_size=128,
-        num_attention_heads=4,
-        group_query_attention=True,
-        num_query_groups=2,
-        swiglu=True,
-        seq_length=128,
-        vocab_size=100,
-        normalization=normalization,
-        hidden_dropout=dropout,
-        attention_dropout=dropout,
-    )
-    recomputes = [(None, ())] + [
-        ("selective", mods) for mods in (("core_attn",), ("mlp",), ("norm",), ("core_attn", "mlp", "norm"))
-    ]
-    for recompute, modules in recomputes + [("full", ())]:
-        for tp, sp in ((1, False), (2, False), (2, True), (4, True)):
-            kw = dict(seq=128, micro_batch=2, tp=tp, sequence_parallel=sp, recompute=recompute, recompute_modules=modules)
-            probe = activation_probe.layer_activation_bytes(m, precision=precision, device=device, **kw)
-            ours = layer_activation_bytes(m, precision=precision, device=device, **kw)
-            assert ours == pytest.approx(probe, rel=1e-12), (recompute, modules, tp, sp)

@@ -19,7 +19,8 @@ from tricorn.model.spec import LayerSpec
 from tricorn.model.transformer import GPTModel
 from tricorn.parallel.recompute import RecomputePlan, apply_recompute
 from tricorn.parallel.tensor import RNGTracker
-from tricorn.training.activation_probe import ActivationProbe, layer_activation_bytes
+from tricorn.planning.activations import layer_activation_bytes
+from tricorn.training.activation_probe import ActivationProbe
 
 FLAGS = with_flag(BASE_FLAGS, "--num-layers", "4")
 FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
@@ -149,7 +150,7 @@ def test_block_method_checkpoints_the_first_layers_only() -> None:
     with ActivationProbe([model]) as probe:
         model(tokens, tokens).mean().backward()
     measured = {k: v[0] for k, v in probe.layer_bytes().items()}
-    full = layer_activation_bytes(cfg, seq=16, micro_batch=2)
+    full = layer_activation_bytes(cfg, seq=16, micro_batch=2, precision="fp32", device="cpu")
     assert abs(measured["0"] - 4 * 16 * 2 * 32) <= 0.05 * 4 * 16 * 2 * 32  # its input (+ the position ids)
     assert measured["1"] == measured["2"] == full
 
@@ -203,7 +204,7 @@ def test_selective_recompute_is_bitwise_and_saves_the_formula_amount(tmp_path, n
     modules = ["core_attn", "mlp"]
     run, report = _run_with_report(FLAGS + SELECTIVE + ["--recompute-modules", *modules], 1, tmp_path)
     _assert_bitwise(run, ref)
-    kw = dict(seq=MODEL.seq_length, micro_batch=MICRO_BATCH)
+    kw = dict(seq=MODEL.seq_length, micro_batch=MICRO_BATCH, precision="fp32", device="cpu")
     predicted = layer_activation_bytes(MODEL, **kw) - layer_activation_bytes(
         MODEL, **kw, recompute="selective", recompute_modules=modules
     )

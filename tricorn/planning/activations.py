@@ -1,34 +1,67 @@
-"""Activation memory of a layout: per layer, per stage at its peak, and the embedding / head / loss part.
+"""Activation memory: the per-layer formula of our transformer block, per stage at its peak, and the embedding / head / loss part.
 
-One layer, one microbatch (b samples of s tokens on this rank, s already divided by CP), in bytes, with e the
-activation element size (2 in bf16/fp16, 4 in fp32), n the bytes of a saved norm input, t = TP, a heads, g
-key/value groups, d = h/a, f ffn width. "rep" terms are replicated over TP unless sequence parallel shards
-them; the rest is divided by t:
+This is tricorn's one activation formula: the memory estimator (memory.py) sizes layouts with it, and the
+saved-tensor probe (tricorn/training/activation_probe.py) measures the real block against it.
 
-    norm inputs           rep   2 * n * sbh
-    norm statistics       rep   2 * 4k * sb            (fp32 rstd: k = 1; LayerNorm's mean too: k = 2)
-    linear inputs         rep   2 * e * sbh            (the norms' outputs, input of QKV and of w1)
-    residual dropout      rep   2 * sbh                (1-byte masks, only with --hidden-dropout > 0)
-    Q, K, V               /t    e * sb(h + 2gd)        (+ e * sb(h + gd): RoPE'd q, k beside the fused QKV output)
-    attention output      /t    e * sbh * copies       (SDPA output and the out-projection's input)
-    attention core        /t    flash: 4 * a*s*b (fp32 log-sum-exp); no s x s tensor is stored
-                                math:  3e * sbh (q, and k, v expanded to a heads, replace the Q, K, V row)
-                                       + e*as^2b (softmax) + (as^2b mask + e*as^2b) with --attention-dropout > 0
-    MLP                   /t    SwiGLU: e * 4 * sbf (gate|up output, silu output, product); GeLU: e * 2 * sbf
+Our block: pre-norm RMSNorm (or LayerNorm), fused QKV with GQA and RoPE, SDPA, out projection, SwiGLU (or GeLU)
+MLP, optional residual and attention dropout. One layer, one microbatch of b samples of s tokens on this rank
+(s after CP), hidden h, a query heads, g key/value groups of d = h/a, r = g/a, MLP width f, TP t, element size
+e (4 fp32, 2 bf16/fp16). Counted the way Korthikanti et al. 2022 count sbh(34 + 5as/h) for GPT-3 (every tensor
+a backward needs, in bytes); ``layer_activation_terms`` returns one field per row:
 
-``KORTHIKANTI`` (n = e, no statistics, one attention output copy, no RoPE copies, sharded SP inputs, math
-attention) gives exactly Korthikanti et al.'s sbh(34 + 5as/h) for a GPT-3 block in fp16, sbh(10 + 24/t +
-5as/(ht)) with TP, sbh/t(34 + 5as/h) with TP+SP and 34sbh/t with selective recompute. ``TRICORN`` is what
-tricorn's block keeps (tricorn/training/activation_probe.py measures it to the byte): fp32 norm inputs (n = 4;
-CPU's unfused rms_norm keeps the normalised input too), the fused QKV output alive beside the RoPE'd q and k,
-flash attention (torch's fused SDPA; on CPU only without attention dropout, which falls back to the math path),
-and under SP the all-gathered inputs of the column-parallel linears (the sequence is gathered before the
-matmul and autograd keeps it).
+    field             bytes / sbh                     what autograd keeps
+    norm_inputs       2 * 4 * (1 + c)       [/t SP]   the two norms' fp32 inputs (a cast copy in bf16); c = 1 on
+                                                      CPU, whose unfused rms_norm also keeps x*rstd in fp32
+    norm_stats        2 * 4k / h            [/t SP]   fp32 rstd (k = 1) - LayerNorm: mean too (k = 2)
+    linear_inputs     2e                              the norm outputs, input of QKV and of w1 (SP: their
+                                                      all-gathered copies, so not / t)
+    dropout_masks     2m                    [/t SP]   residual dropout masks: m = 1 (bool, GPU) or e (CPU), if > 0
+    qkv               e(1 + 2r) / t                   the fused QKV output: v is a view of it, so SDPA keeps it whole
+                      + e(1 + r) / t                  RoPE'd q and k (learned positions: 0 - q, k are views of QKV)
+    attention_output  e / t                           SDPA's output is the out projection's input
+    attention_core    4a / (h t)                      flash / memory-efficient SDPA: fp32 log-sum-exp per head and
+                                                      token; no s x s tensor is stored
+    mlp               4e f/(h t) SwiGLU               gate|up output (2f), silu(gate), their product
+                      2e f/(h t) GeLU                 w1 output, gelu output
+    rope_tables       4esd in all: the cos and sin rows for q and k (not per sample, not split by TP)
+    norm_weights      bf16/fp16 only, 2 * 4h in all: the fp32 copies of the two norm weights (4h more for
+                      LayerNorm's bias)
 
-Recompute: selective drops the attention-core terms ("core_attn"), the MLP intermediates ("mlp"), the norms'
-outputs ("norm"). Under SP with gathered inputs, QKV keeps its all-gathered input whatever the modules; w1's
-is replaced by the norm output's shard a checkpointed MLP holds (e*sbh/t, gone with "norm" too). Full keeps
-only each layer's input (e*sbh, /t under SP) plus, during backward, one recompute group's full activations.
+Summed, with RMSNorm, RoPE and flash attention, no dropout:
+
+    CPU, fp32 (e = 4, c = 1):      sbh(24 + (12 + 12r + 4a/h + 4k f/h) / t) + 8sb + 16sd     k = 4 SwiGLU, 2 GeLU
+    GPU, bf16 (e = 2, c = 0), SP:  sbh(4 + (14 + 6r + 8f/h + 4a/h + 8/h) / t) + 8sd + 8h      (SwiGLU)
+    GPU, bf16, TP without SP:      sbh(12 + (6 + 6r + 8f/h + 4a/h) / t) + 8sb + 8sd + 8h
+
+e.g. Llama-2-7B (r = 1, f/h = 2.69) in bf16 with SP: sbh(4 + 41.5/t), against GPT-3's sbh(34 + 5as/h)/t in
+Korthikanti's accounting: no s x s term (flash), but fp32 norm inputs and the all-gathered linear inputs.
+
+    math attention (CPU with --attention-dropout > 0, where torch's flash kernel has no dropout): instead of
+    the QKV output, RoPE'd q, k and the log-sum-exp, SDPA keeps copies of q (scaled), k and v expanded to a
+    heads: 3e / t, and the s x s tensors: (e [softmax] + m [mask] + e [dropped probs]) * a s / (h t) -
+    Korthikanti's 5as/h term in fp16 on GPU.
+
+Variants. TP divides everything inside the TP region (QKV ... MLP); SP also divides the norm and dropout terms
+(they act on the sequence shard). Selective recompute (tricorn.parallel.recompute): core_attn removes the SDPA
+state (flash: 4a/(ht); math: 3e/t and the s x s terms, while q, k, v held by the checkpoint are the QKV and
+RoPE terms again); mlp removes the MLP term (under SP it also turns w1's all-gathered input, e, into the norm
+output's shard the checkpoint holds, e/t); norm removes the norm outputs, 2e without SP - under SP only the
+shard a checkpointed MLP would hold, since QKV and w1 keep their own all-gathered copies. Full recompute keeps
+only the layer input (layer_input), e*sbh (/t under SP) per group of N layers - plus, transiently during
+backward, one group's full activations (``stage_activation_bytes`` adds the groups and that one group).
+
+Profiles. ``TRICORN`` is the table above (tricorn's block). ``KORTHIKANTI`` (norm inputs of e bytes, no
+statistics, no RoPE copies, sharded SP inputs, 1-byte masks, math attention) gives exactly Korthikanti et al.'s
+sbh(34 + 5as/h) for a GPT-3 block in fp16, sbh(10 + 24/t + 5as/(ht)) with TP, sbh/t(34 + 5as/h) with TP+SP and
+34sbh/t with selective recompute (``korthikanti_layer_bytes``, Table 2).
+
+Checked (tests/test_activation_probe.py): the probe equals ``TRICORN`` to the byte on CPU in fp32 and bf16,
+RMSNorm and LayerNorm, with residual and attention dropout, without recompute and with every selective
+variant, and on 2 ranks with TP and SP (fp32); with full recompute it measures the layer input plus the int64
+position ids (8s bytes) the chunk's first checkpoint keeps. Not matched: bf16/fp16 on CPU with attention
+dropout, where torch's math SDPA keeps q, k, v and the s x s tensors in fp32 ((4 - e)(3sbh + 3as^2b)/t bytes
+more than counted). The GPU rows assume torch's fused rms_norm (input + rstd kept), bool dropout masks and
+flash / memory-efficient SDPA; they were not measured on a GPU.
 
 Microbatches in flight on pipeline stage r of p with M microbatches: 1F1B min(p - r, M); interleaved with v
 chunks min(2(p - r - 1) + (v - 1)p + 1, Mv) chunk-forwards of L/(pv) layers - on the first stage
@@ -46,8 +79,9 @@ No collectives, no device work.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Optional
 
 from tricorn.config import ModelConfig
 
@@ -107,6 +141,27 @@ KORTHIKANTI = ActivationProfile(
 )
 
 
+@dataclass(frozen=True)
+class LayerActivationTerms:
+    """Bytes one transformer layer keeps for backward, for one microbatch on one rank, by term (module docstring)."""
+
+    norm_inputs: float = 0.0
+    norm_stats: float = 0.0
+    norm_weights: float = 0.0
+    linear_inputs: float = 0.0
+    dropout_masks: float = 0.0
+    rope_tables: float = 0.0
+    qkv: float = 0.0
+    attention_output: float = 0.0
+    attention_core: float = 0.0
+    mlp: float = 0.0
+    layer_input: float = 0.0  # full recompute: the checkpoint's input (one per group of N layers)
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
 def activation_element_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
@@ -121,7 +176,7 @@ def _linear_inputs(esbh: float, sp_div: int, selective: set[str], profile: Activ
     return esbh + mlp_input
 
 
-def layer_activation_bytes(
+def layer_activation_terms(
     model: ModelConfig,
     *,
     seq: int,
@@ -129,32 +184,27 @@ def layer_activation_bytes(
     tp: int = 1,
     sequence_parallel: bool = False,
     recompute: Optional[str] = None,
-    recompute_modules: tuple[str, ...] = ("core_attn",),
+    recompute_modules: Sequence[str] = ("core_attn",),
     precision: str = "bf16",
     profile: ActivationProfile = TRICORN,
     device: str = "cuda",
-) -> float:
-    """Bytes one layer keeps for backward for one microbatch of ``micro_batch`` x ``seq`` tokens on one rank."""
+) -> LayerActivationTerms:
+    """Bytes one layer keeps for backward for one microbatch of ``micro_batch`` x ``seq`` tokens on one rank, by
+    term (the module docstring's table); ``seq`` is the rank's sequence length, after CP."""
     s, b, h, e = seq, micro_batch, model.hidden_size, activation_element_bytes(precision)
     a, d, gd, f = model.num_attention_heads, model.head_dim, model.kv_heads * model.head_dim, model.ffn_size
     sbh = s * b * h
     sp_div = tp if sequence_parallel else 1
     if recompute == "full":
-        return e * sbh / sp_div
+        return LayerActivationTerms(layer_input=e * sbh / sp_div)
     selective = set(recompute_modules) if recompute == "selective" else set()
     norm = model.normalization
-    norms = 2 * (profile.norm_bytes(e, norm, device) * sbh + profile.stats_bytes(norm) * s * b) / sp_div
-    if profile.norm_weight_fp32_copy and e != 4:
-        norms += 2 * 4 * h * (2 if norm == "LayerNorm" else 1)
-    linear_inputs = _linear_inputs(e * sbh, sp_div, selective, profile)
-    dropout = 2 * profile.mask_bytes(e, device) * sbh / sp_div if model.hidden_dropout > 0 else 0.0
     qkv = e * s * b * (h + 2 * gd)
     rope_tables = 0.0
     if profile.rope_copies and model.position_embedding_type == "rope":
         qkv += e * s * b * (h + gd)
         rope_tables = 4 * e * s * d  # cos and sin rows for q and for k, not per sample, not split by TP
     copies = profile.attention_output_copies - (1 if "core_attn" in selective else 0)
-    attn_out = e * sbh * max(copies, 1)
     if "core_attn" in selective:
         core = 0.0
     elif profile.uses_flash(device, model.attention_dropout):
@@ -164,8 +214,23 @@ def layer_activation_bytes(
         core = e * a * s * s * b
         if model.attention_dropout > 0:
             core += (profile.mask_bytes(e, device) + e) * a * s * s * b
-    mlp = 0.0 if "mlp" in selective else e * s * b * f * (4 if model.swiglu else 2)
-    return norms + linear_inputs + dropout + rope_tables + (qkv + attn_out + core + mlp) / tp
+    return LayerActivationTerms(
+        norm_inputs=2 * profile.norm_bytes(e, norm, device) * sbh / sp_div,
+        norm_stats=2 * profile.stats_bytes(norm) * s * b / sp_div,
+        norm_weights=2 * 4 * h * (2 if norm == "LayerNorm" else 1) if profile.norm_weight_fp32_copy and e != 4 else 0.0,
+        linear_inputs=_linear_inputs(e * sbh, sp_div, selective, profile),
+        dropout_masks=2 * profile.mask_bytes(e, device) * sbh / sp_div if model.hidden_dropout > 0 else 0.0,
+        rope_tables=rope_tables,
+        qkv=qkv / tp,
+        attention_output=e * sbh * max(copies, 1) / tp,
+        attention_core=core / tp,
+        mlp=0.0 if "mlp" in selective else e * s * b * f * (4 if model.swiglu else 2) / tp,
+    )
+
+
+def layer_activation_bytes(model: ModelConfig, **kwargs: Any) -> float:
+    """Total of ``layer_activation_terms`` (same keyword arguments): bytes one layer keeps for one microbatch."""
+    return layer_activation_terms(model, **kwargs).total
 
 
 def korthikanti_layer_bytes(
