@@ -30,7 +30,7 @@ Collectives: a recomputed region re-runs its collectives during backward (the TP
 all-gather / reduce-scatter of a recomputed layer or MLP); every TP rank recomputes the same regions in the
 same order, so they stay matched. Nothing here adds a collective of its own.
 
-Memory effect (per layer and microbatch; the formula is in tricorn/training/activation_probe.py): full keeps
+Memory effect (per layer and microbatch; the formula is in tricorn/planning/activations.py): full keeps
 e*s*b*h (the layer input, /TP under SP) per group of N layers, plus one group's full activations while its
 backward runs; selective core_attn drops the attention core's saved state (flash: its fp32 log-sum-exp;
 math attention: the s x s softmax, dropout mask and dropped probabilities); mlp drops the MLP intermediates;
