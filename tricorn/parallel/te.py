@@ -41,24 +41,24 @@ def import_te() -> Any:
     return te
 
 
-def _gemm(te: Any, in_features: int, out_features: int, bias: bool) -> nn.Module:
+def _gemm(te: Any, in_features: int, out_features: int, bias: bool, device: torch.device) -> nn.Module:
     # Weights stay ours (skip allocation) so names/shapes match the local implementation.
-    return te.Linear(in_features, out_features, bias=bias, skip_weight_param_allocation=True, device="cuda")
+    return te.Linear(in_features, out_features, bias=bias, skip_weight_param_allocation=True, device=device)
 
 
 class TEColumnParallelLinear(ColumnParallelLinear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group, sequence_parallel: bool):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group, sequence_parallel: bool, device):
         super().__init__(in_features, out_features, bias, group=group, sequence_parallel=sequence_parallel)
-        self.gemm = _gemm(import_te(), in_features, self.weight.shape[0], bias)
+        self.gemm = _gemm(import_te(), in_features, self.weight.shape[0], bias, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(self._enter(x), weight=self.weight, bias=self.bias)
 
 
 class TERowParallelLinear(RowParallelLinear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group, sequence_parallel: bool):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group, sequence_parallel: bool, device):
         super().__init__(in_features, out_features, bias, group=group, sequence_parallel=sequence_parallel)
-        self.gemm = _gemm(import_te(), self.weight.shape[1], out_features, False)
+        self.gemm = _gemm(import_te(), self.weight.shape[1], out_features, False, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.gemm(x, weight=self.weight, bias=None)
@@ -66,14 +66,14 @@ class TERowParallelLinear(RowParallelLinear):
         return out if self.bias is None else out + self.bias
 
 
-def te_spec(spec: LayerSpec, cfg: Config, tp_group: dist.ProcessGroup) -> LayerSpec:
+def te_spec(spec: LayerSpec, cfg: Config, tp_group: dist.ProcessGroup, device: torch.device) -> LayerSpec:
     """`spec` with TE GEMMs in the column/row linears (embedding, head and attention core unchanged)."""
     import_te()
     sp = cfg.parallel.sequence_parallel and dist.get_world_size(tp_group) > 1
     return dataclasses.replace(
         spec,
-        column_linear=functools.partial(TEColumnParallelLinear, group=tp_group, sequence_parallel=sp),
-        row_linear=functools.partial(TERowParallelLinear, group=tp_group, sequence_parallel=sp),
+        column_linear=functools.partial(TEColumnParallelLinear, group=tp_group, sequence_parallel=sp, device=device),
+        row_linear=functools.partial(TERowParallelLinear, group=tp_group, sequence_parallel=sp, device=device),
     )
 
 

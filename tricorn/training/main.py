@@ -63,7 +63,7 @@ def build(cfg: Config, state):
     if cfg.model.transformer_impl == "transformer_engine":
         from tricorn.parallel.te import te_spec
 
-        spec = te_spec(spec, cfg, state.tp_group)
+        spec = te_spec(spec, cfg, state.tp_group, state.device)
     # One chunk per virtual pipeline stage of this rank (the whole model without PP).
     chunks = build_model_chunks(cfg, spec, state.pp_rank, state.tp_size, state.device)
     apply_recompute(chunks, cfg.model, tracker)  # --recompute-granularity: checkpoint layers / modules in place
