@@ -1,5 +1,6 @@
 """Config: flags, presets, YAML, and every validation error (one line, before any process group)."""
 
+import os
 import subprocess
 import sys
 
@@ -78,13 +79,18 @@ def test_yaml_unknown_key_names_closest(tmp_path):
 
 
 def test_cli_refuses_with_one_line_before_launch():
-    argv = with_flag(BASE_FLAGS, "--num-attention-heads", "6") + ["--hidden-size", "96", "--tensor-model-parallel-size", "4"]
-    env = {"WORLD_SIZE": "4", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # no peer would ever come
-    import os
-
-    proc = subprocess.run(
-        [sys.executable, str(ENTRY), *argv], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
-    )
+    """The Foundation acceptance, exactly: FLAGS + --num-attention-heads 6 --tensor-model-parallel-size 4, one process."""
+    argv = with_flag(BASE_FLAGS, "--num-attention-heads", "6") + ["--tensor-model-parallel-size", "4"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(ENTRY), *argv], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "6" in lines[0] and "4" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("tricorn: error: --num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4")
+
+
+def test_only_rank_zero_prints_the_refusal():
+    argv = with_flag(BASE_FLAGS, "--num-attention-heads", "6") + ["--tensor-model-parallel-size", "4"]
+    env = {**os.environ, "RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    proc = subprocess.run([sys.executable, str(ENTRY), *argv], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and proc.stderr.strip() == ""

@@ -468,21 +468,15 @@ def validate(cfg: Config) -> list[str]:
             errs.append(f"{name} must be at least 1, got {v}")
     if errs:
         return errs
-    if cfg.world_size % (tp * pp * cp) != 0:
-        errs.append(
-            f"world size {cfg.world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp}; "
-            f"launch a multiple of {tp * pp * cp} processes or change the parallel sizes"
-        )
-        return errs
-    dp = cfg.data_parallel_size
+    # The split of the model over TP comes first: it is what a user asking for a layout most needs to see.
+    if m.num_attention_heads % tp != 0:
+        errs.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
     if m.hidden_size % m.num_attention_heads != 0:
         errs.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}")
     if m.group_query_attention and not m.num_query_groups:
         errs.append("--group-query-attention needs --num-query-groups")
     if m.num_query_groups and not m.group_query_attention:
         errs.append("--num-query-groups needs --group-query-attention")
-    if m.num_attention_heads % tp != 0:
-        errs.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
     if m.kv_heads and m.num_attention_heads % m.kv_heads != 0:
         errs.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.kv_heads}")
     if m.group_query_attention and m.num_query_groups and m.num_query_groups % tp != 0:
@@ -497,7 +491,14 @@ def validate(cfg: Config) -> list[str]:
         errs.append(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by TP x CP = {tp * cp}")
     if cp > 1 and m.seq_length % (2 * cp) != 0:
         errs.append(f"--context-parallel-size {cp} needs --seq-length {m.seq_length} divisible by 2 x CP = {2 * cp}")
-    if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0:
+    world_ok = cfg.world_size % (tp * pp * cp) == 0
+    if not world_ok:
+        errs.append(
+            f"world size {cfg.world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp}; "
+            f"launch a multiple of {tp * pp * cp} processes or change the parallel sizes"
+        )
+    dp = cfg.data_parallel_size
+    if world_ok and t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0:
         errs.append(
             f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
             f"{t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}"

@@ -27,8 +27,9 @@ def resolve_config(argv: Optional[list[str]]) -> Config:
     except ConfigError as e:
         errors = [str(e)]
     if errors:
-        for e in errors:
-            print(f"tricorn: error: {e}", file=sys.stderr)
+        # One line, from one rank: every problem, the most layout-relevant first.
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("tricorn: error: " + "; also: ".join(errors), file=sys.stderr)
         sys.exit(2)
     return cfg
 
