@@ -94,3 +94,13 @@ def test_only_rank_zero_prints_the_refusal():
     env = {**os.environ, "RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     proc = subprocess.run([sys.executable, str(ENTRY), *argv], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2 and proc.stderr.strip() == ""
+
+
+def test_layout_over_device_memory_is_refused_before_launch():
+    from tricorn.planning.estimate import memory_errors
+
+    big = config_from_args(["--model-preset", "llama2-70b", "--mock-data", "--bf16", "--device", "cuda"], world_size=1)
+    (err,) = memory_errors(big, 80 * 2**30)
+    assert "exceeds the device's 80.0 GiB" in err and "--dry-run" in err
+    assert memory_errors(config_from_args(BASE_FLAGS, world_size=1), 80 * 2**30) == []
+    assert memory_errors(big, None) == []  # no device to compare with (CPU)

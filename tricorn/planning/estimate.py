@@ -110,6 +110,20 @@ def estimate_record(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> di
     return rec
 
 
+def memory_errors(cfg: Config, gpu_memory_bytes: Optional[float]) -> list[str]:
+    """The pre-launch check: a layout whose worst rank is estimated over the device's memory is refused."""
+    if gpu_memory_bytes is None:
+        return []
+    rec = estimate_record(cfg, gpu_memory_bytes)
+    if rec["fits"]:
+        return []
+    return [
+        f"estimated {rec['total_bytes'] / GiB:.1f} GiB on the worst rank (pipeline stage {rec['stage']}) exceeds the "
+        f"device's {gpu_memory_bytes / GiB:.1f} GiB; see `pretrain_gpt.py ... --dry-run` for the breakdown, then add "
+        f"TP/PP, --use-distributed-optimizer/--zero-stage, --recompute-granularity or a smaller --micro-batch-size"
+    ]
+
+
 def _gib(x: float) -> str:
     return f"{x / GiB:9.2f} GiB"
 
@@ -120,7 +134,7 @@ def format_report(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> str:
     On a CUDA config without ``gpu_memory_bytes`` the visible device's memory is used when there is one.
     """
     if gpu_memory_bytes is None and cfg.device == "cuda":
-        gpu_memory_bytes = _visible_device_memory()
+        gpu_memory_bytes = visible_device_memory()
     rec = estimate_record(cfg, gpu_memory_bytes)
     lay = rec["layout"]
     name = cfg.model_preset or f"{cfg.model.num_layers}x{cfg.model.hidden_size}"
@@ -148,7 +162,7 @@ def format_report(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> str:
     return "\n".join(lines)
 
 
-def _visible_device_memory() -> Optional[float]:
+def visible_device_memory() -> Optional[float]:
     try:
         import torch
 

@@ -24,6 +24,10 @@ def resolve_config(argv: Optional[list[str]]) -> Config:
             raise ConfigError("--device cuda was given but no CUDA device is visible; use --device cpu")
         errors = _prepare_vocab(cfg)
         errors += validate(cfg) if not errors else []
+        if not errors and cfg.device == "cuda":  # memory estimate vs the device (GPU only: CPU RAM is not the limit)
+            from tricorn.planning.estimate import memory_errors, visible_device_memory
+
+            errors += memory_errors(cfg, visible_device_memory())
     except ConfigError as e:
         errors = [str(e)]
     if errors:
