@@ -165,3 +165,14 @@ def run_script(script: Path, nproc: int, args: Optional[list[str]] = None, timeo
         rank, code, err = next((f for f in failed if "Traceback" in f[2] and "Connection closed" not in f[2]), failed[0])
         raise AssertionError(f"{script.name} failed on rank {rank} (exit {code}):\n{err[-3000:]}")
     return ranks[0][1]
+
+
+def demo_corpus_module():
+    """scripts/demo_corpus.py (a script, not a package module), imported for tests that build small corpora."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_corpus", ROOT / "scripts" / "demo_corpus.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["demo_corpus"] = module
+    spec.loader.exec_module(module)
+    return module

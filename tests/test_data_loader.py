@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from harness import demo_corpus_module
 
 from tricorn.config import config_from_args
 from tricorn.data.base import MockSamples
@@ -107,18 +106,10 @@ def test_mock_data_loaders():
     assert (train.source.seed, valid.source.seed) == (11, 12) and valid.source.vocab_size == 77
 
 
-def _demo_corpus():
-    spec = importlib.util.spec_from_file_location("demo_corpus", ROOT / "scripts" / "demo_corpus.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["demo_corpus"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory) -> str:
     tmp = tmp_path_factory.mktemp("tok")
-    _demo_corpus().build_corpus(str(tmp / "c.jsonl"), max_bytes=100_000)
+    demo_corpus_module().build_corpus(str(tmp / "c.jsonl"), max_bytes=100_000)
     return train_sentencepiece([str(tmp / "c.jsonl")], 600, str(tmp / "sp"), num_threads=1)
 
 

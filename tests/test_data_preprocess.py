@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from harness import demo_corpus_module
 
 from tricorn.data.errors import DataError
 from tricorn.data.indexed import IndexedDataset
@@ -22,18 +22,10 @@ from tricorn.data.tokenizer import NullTokenizer, SentencePieceTokenizer, cli_ma
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _demo_corpus():
-    spec = importlib.util.spec_from_file_location("demo_corpus", ROOT / "scripts" / "demo_corpus.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["demo_corpus"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
-    _demo_corpus().build_corpus(str(path), max_bytes=300_000)
+    demo_corpus_module().build_corpus(str(path), max_bytes=300_000)
     return path
 
 
@@ -47,7 +39,7 @@ def sp_model(corpus, tmp_path_factory) -> str:
 
 def test_demo_corpus_is_deterministic_and_capped(tmp_path, corpus):
     again = tmp_path / "again.jsonl"
-    info = _demo_corpus().build_corpus(str(again), max_bytes=300_000)
+    info = demo_corpus_module().build_corpus(str(again), max_bytes=300_000)
     assert again.read_bytes() == corpus.read_bytes()
     assert 0 < info.bytes <= 300_000 and info.documents == len(corpus.read_text().splitlines())
     assert all(isinstance(json.loads(line)["text"], str) for line in corpus.read_text().splitlines())
