@@ -538,13 +538,6 @@ def validate(cfg: Config) -> list[str]:
         from tricorn.training.batch_schedule import validate_rampup
 
         errs += validate_pipeline(cfg) + validate_rampup(cfg) + validate_recompute(cfg)
-    errs += _validate_unsupported(cfg)
-    return errs
-
-
-def _validate_unsupported(cfg: Config) -> list[str]:
-    """Combinations that are refused until the feature lands (each refusal names the flag)."""
-    errs: list[str] = []
     return errs
 
 

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Optional
 
-from tricorn.config import Config, ConfigError, _validate_unsupported, build_parser, config_from_args, validate
+from tricorn.config import Config, ConfigError, build_parser, config_from_args, validate
 from tricorn.planning.flops import iteration_flops_for_config
 from tricorn.planning.hardware import GiB, get_gpu
 from tricorn.planning.memory import MemoryEstimate, estimate_config, total_params
@@ -61,9 +61,8 @@ def config_for_estimate(argv: list[str], world_size: Optional[int] = None) -> Co
         cfg.model.vocab_size = _tokenizer_vocab(cfg.data.tokenizer_model)
     if cfg.model.vocab_size is None:
         raise ConfigError("the vocabulary size is unknown: pass --vocab-size N or --tokenizer-model FILE.model")
-    # An estimate needs no data, and sizes layouts whose features the trainer may not run yet.
-    not_yet = set(_validate_unsupported(cfg))
-    errors = [e for e in validate(cfg) if "training data" not in e and e not in not_yet]
+    # An estimate needs no data.
+    errors = [e for e in validate(cfg) if "training data" not in e]
     if errors:
         raise ConfigError("; ".join(errors))
     return cfg
