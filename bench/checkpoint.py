@@ -49,8 +49,7 @@ def build_trainer(args: argparse.Namespace, root: Path):
     from tricorn.parallel.state import init_parallel
     from tricorn.training.checkpoint import Checkpointer
     from tricorn.training.logging import MetricsLogger
-    from tricorn.training.loop import Trainer
-    from tricorn.training.main import build, build_loaders
+    from tricorn.training.main import build_trainer
 
     flags = (
         f"--device cpu --mock-data --num-layers {args.layers} --hidden-size {args.hidden} --num-attention-heads 8 "
@@ -61,10 +60,7 @@ def build_trainer(args: argparse.Namespace, root: Path):
     errors = validate(cfg)
     assert not errors, errors
     state = init_parallel(cfg)
-    chunks, optimizer, forward_backward, tracker = build(cfg, state)
-    train_loader, _ = build_loaders(cfg, state)
-    logger = MetricsLogger(cfg, state.rank, state.device)
-    trainer = Trainer(cfg, state, chunks, optimizer, train_loader, None, logger, forward_backward)
+    trainer, tracker = build_trainer(cfg, state, MetricsLogger(cfg, state.rank, state.device), with_validation=False)
     return cfg, trainer, Checkpointer(cfg, state, tracker, console=lambda line: None)
 
 

@@ -170,23 +170,11 @@ def worker(layout: str) -> None:
 
     from tricorn.parallel.state import destroy_parallel, init_parallel
     from tricorn.training.logging import MetricsLogger
-    from tricorn.training.loop import Trainer
-    from tricorn.training.main import build, build_loaders, resolve_config
+    from tricorn.training.main import build_trainer, resolve_config
 
     cfg = resolve_config(FLAGS + LAYOUTS[layout][1])
     state = init_parallel(cfg)
-    chunks, optimizer, forward_backward, _ = build(cfg, state)
-    train_loader, _ = build_loaders(cfg, state)
-    trainer = Trainer(
-        cfg=cfg,
-        state=state,
-        chunks=chunks,
-        optimizer=optimizer,
-        train_loader=train_loader,
-        valid_loader=None,
-        logger=MetricsLogger(cfg, rank=1),
-        forward_backward=forward_backward,
-    )
+    trainer, _ = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)
     trainer.run_iteration()  # warm-up: first-iteration-only work is not counted
     counter = Counter(group_names(state))
     counter.install()
@@ -197,7 +185,7 @@ def worker(layout: str) -> None:
     rows = [None] * state.world_size
     dist.all_gather_object(rows, {"bus_bytes": counter.bus_bytes, "calls": counter.calls})
     if state.rank == 0:
-        print("RESULT " + json.dumps({"ranks": rows, "theory": theory(cfg, state, optimizer)}), flush=True)
+        print("RESULT " + json.dumps({"ranks": rows, "theory": theory(cfg, state, trainer.optimizer)}), flush=True)
     destroy_parallel()
 
 

@@ -22,9 +22,8 @@ from tricorn.model import GPTModel
 from tricorn.parallel.optimizer import param_groups
 from tricorn.parallel.state import destroy_parallel, init_parallel
 from tricorn.training.logging import MetricsLogger
-from tricorn.training.loop import Trainer
 from tricorn.training.lr_schedule import learning_rate
-from tricorn.training.main import build, build_loaders
+from tricorn.training.main import build_trainer
 
 
 def bare_loop(cfg, batches) -> float:
@@ -56,9 +55,7 @@ def bare_loop(cfg, batches) -> float:
 
 def trainer_loop(cfg) -> float:
     state = init_parallel(cfg)
-    chunks, optimizer, fwd_bwd, _ = build(cfg, state)
-    train_loader, _ = build_loaders(cfg, state)
-    trainer = Trainer(cfg, state, chunks, optimizer, train_loader, None, MetricsLogger(cfg, rank=1), fwd_bwd)
+    trainer, _ = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)
     times = []
     while trainer.iteration < cfg.training.train_iters:
         start = time.perf_counter()

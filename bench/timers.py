@@ -32,8 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tricorn.config import config_from_args  # noqa: E402
 from tricorn.parallel.state import destroy_parallel, init_parallel  # noqa: E402
 from tricorn.training.logging import MetricsLogger  # noqa: E402
-from tricorn.training.loop import Trainer  # noqa: E402
-from tricorn.training.main import build, build_loaders  # noqa: E402
+from tricorn.training.main import build_trainer  # noqa: E402
 from tricorn.training.timers import OPTIMIZER_STEP, Timers  # noqa: E402
 
 
@@ -82,10 +81,7 @@ def main() -> None:
     ).split()
     cfg = config_from_args(argv, world_size=1)
     state = init_parallel(cfg)
-    chunks, optimizer, fwd_bwd, _ = build(cfg, state)
-    train_loader, _ = build_loaders(cfg, state)
-    logger = MetricsLogger(cfg, rank=1)  # writes nothing
-    trainer = Trainer(cfg, state, chunks, optimizer, train_loader, None, logger, fwd_bwd)
+    trainer, _ = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)  # logger writes nothing
     settings = {
         "disabled": Timers.disabled(),
         "level 0": Timers(0, state.device),
@@ -110,7 +106,7 @@ def main() -> None:
         for name, values in this_round.items():
             samples[name] += values
             paired[name].append(statistics.median(values) / statistics.median(this_round["disabled"]))
-    logger.close()
+    trainer.logger.close()
     destroy_parallel()
 
     base = statistics.median(samples["disabled"])

@@ -115,6 +115,28 @@ def build_loaders(cfg: Config, state):
     )
 
 
+def build_trainer(cfg: Config, state, logger, with_validation: bool = True):
+    """The whole training setup of this rank: (Trainer, RNG tracker). Used by main() and the benchmarks."""
+    from tricorn.training.loop import Trainer
+    from tricorn.training.timers import Timers
+
+    chunks, optimizer, forward_backward, tracker = build(cfg, state)
+    train_loader, valid_loader = build_loaders(cfg, state)
+    timers = Timers(cfg.logging.timing_log_level, state.device)
+    trainer = Trainer(
+        cfg,
+        state,
+        chunks,
+        optimizer,
+        train_loader,
+        valid_loader if with_validation else None,
+        logger,
+        forward_backward,
+        timers=timers,
+    )
+    return trainer, tracker
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     cfg = resolve_config(argv)
     if cfg.dry_run:  # the memory estimate of this exact config, no process group, no model
@@ -127,9 +149,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from tricorn.parallel.state import destroy_parallel, init_parallel
     from tricorn.training.checkpoint import Checkpointer, CheckpointError
     from tricorn.training.logging import MetricsLogger
-    from tricorn.training.loop import NaNError, Trainer
+    from tricorn.training.loop import NaNError
     from tricorn.training.signals import ExitConditions
-    from tricorn.training.timers import Timers
 
     exits = ExitConditions(cfg)  # from here on --exit-signal means "save and exit 0", not "die"
     state = init_parallel(cfg)
@@ -137,11 +158,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ckpt = None
     finished = False
     try:
-        chunks, optimizer, forward_backward, tracker = build(cfg, state)
-        train_loader, valid_loader = build_loaders(cfg, state)
-        timers = Timers(cfg.logging.timing_log_level, state.device)
-        trainer = Trainer(cfg, state, chunks, optimizer, train_loader, valid_loader, logger, forward_backward, timers=timers)
-        logger.startup(state, chunks, trainer.batch_sizes())  # layout, parameters, FLOPs, memory estimate
+        trainer, tracker = build_trainer(cfg, state, logger)
+        logger.startup(state, trainer.chunks, trainer.batch_sizes())  # layout, parameters, FLOPs, memory estimate
         ckpt = Checkpointer(cfg, state, tracker, logger.console)
         ckpt.load(trainer)  # --load: model, optimizer, data position, RNG (any saved layout)
         trainer.on_iteration_end = ckpt.iteration_hook(exits)
