@@ -45,11 +45,12 @@ def raw_write(src: Path, dst: Path) -> tuple[int, float]:
 
 
 def build_trainer(args: argparse.Namespace, root: Path):
-    from tricorn.config import config_from_args, validate
+    from tricorn.config import config_from_args
     from tricorn.parallel.state import init_parallel
     from tricorn.training.checkpoint import Checkpointer
     from tricorn.training.logging import MetricsLogger
     from tricorn.training.main import build_trainer
+    from tricorn.validation import validate
 
     flags = (
         f"--device cpu --mock-data --num-layers {args.layers} --hidden-size {args.hidden} --num-attention-heads 8 "

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tricorn.config import config_from_args  # noqa: E402
 from tricorn.parallel.state import destroy_parallel, init_parallel  # noqa: E402
+from tricorn.timers import OPTIMIZER_STEP, Timers  # noqa: E402
 from tricorn.training.logging import MetricsLogger  # noqa: E402
 from tricorn.training.main import build_trainer  # noqa: E402
-from tricorn.training.timers import OPTIMIZER_STEP, Timers  # noqa: E402
 
 
 class CountingTimers(Timers):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tricorn.config import config_from_args
-from tricorn.training.batch_schedule import BatchScheduleError, MicrobatchCalculator, RampStage, validate_rampup
+from tricorn.parallel.batch_schedule import BatchScheduleError, MicrobatchCalculator, RampStage, validate_rampup
 
 
 def _cfg(*flags: str, world_size: int = 2):

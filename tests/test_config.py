@@ -7,7 +7,8 @@ import sys
 import pytest
 from harness import BASE_FLAGS, ENTRY, with_flag
 
-from tricorn.config import PRESETS, ConfigError, config_from_args, validate
+from tricorn.config import PRESETS, ConfigError, config_from_args
+from tricorn.validation import validate
 
 
 def errors(argv, world_size=1):

@@ -8,8 +8,9 @@ from distopt_common import MBS1, reference_extra
 from harness import BASE_FLAGS, assert_equivalent, run_script
 from torch import nn
 
-from tricorn.config import config_from_args, validate
+from tricorn.config import config_from_args
 from tricorn.parallel.data_parallel import dp_options, plan_buckets
+from tricorn.validation import validate
 
 WORKER = Path(__file__).parent / "workers" / "dist_opt.py"
 

@@ -17,8 +17,8 @@ from harness import BASE_FLAGS, run_layout, with_flag
 from tricorn.config import config_from_args
 from tricorn.model.transformer import GPTModel
 from tricorn.planning import flops
+from tricorn.timers import NULL_TIMER, OPTIMIZER_STEP, PIPELINE_P2P_WAIT, Timer, Timers
 from tricorn.training.logging import MetricsLogger, format_duration, rank_log_path, remove_rank_logging, setup_rank_logging
-from tricorn.training.timers import NULL_TIMER, OPTIMIZER_STEP, PIPELINE_P2P_WAIT, Timer, Timers
 
 ITERS, EVAL_INTERVAL = 10, 5
 TRAIN_TAGS = [

@@ -14,13 +14,14 @@ import pytest
 import torch
 from harness import BASE_FLAGS, RunResult, assert_close, run_layout, with_flag
 
-from tricorn.config import ModelConfig, config_from_args, validate
+from tricorn.config import ModelConfig, config_from_args
 from tricorn.model.spec import LayerSpec
 from tricorn.model.transformer import GPTModel
 from tricorn.parallel.recompute import RecomputePlan, apply_recompute
 from tricorn.parallel.tensor import RNGTracker
 from tricorn.planning.activations import layer_activation_bytes
 from tricorn.training.activation_probe import ActivationProbe
+from tricorn.validation import validate
 
 FLAGS = with_flag(BASE_FLAGS, "--num-layers", "4")
 FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()

@@ -18,9 +18,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tricorn.config import config_from_args, validate
+from tricorn.config import config_from_args
 from tricorn.model import GPTModel
 from tricorn.parallel.tensor import seed_everything, tensor_parallel_spec
+from tricorn.validation import validate
 
 FLAGS = "--device cpu --mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 --vocab-size 100 --swiglu".split()
 

@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tricorn.config import config_from_args, validate
+from tricorn.config import config_from_args
 from tricorn.data.base import Batch
 from tricorn.model.transformer import GPTModel
 from tricorn.parallel.grads import reduce_tied_embedding_grads
@@ -27,7 +27,8 @@ from tricorn.parallel.pipeline.executor import PipelineExecutor
 from tricorn.parallel.pipeline.schedules import schedule_for
 from tricorn.parallel.pipeline.simulator import simulate
 from tricorn.parallel.state import init_parallel
-from tricorn.training.step import StepContext
+from tricorn.parallel.step import StepContext
+from tricorn.validation import validate
 
 LOSS_SCALE = 8.0
 TOL = dict(rtol=1e-5, atol=1e-7)

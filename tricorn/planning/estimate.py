@@ -17,10 +17,11 @@ import os
 import sys
 from typing import Optional
 
-from tricorn.config import Config, ConfigError, build_parser, config_from_args, validate
+from tricorn.config import Config, ConfigError, build_parser, config_from_args
 from tricorn.planning.flops import iteration_flops_for_config
 from tricorn.planning.hardware import GiB, get_gpu
 from tricorn.planning.memory import MemoryEstimate, estimate_config, total_params
+from tricorn.validation import validate
 
 CATEGORIES = [
     ("params_bytes", "parameters"),

@@ -36,8 +36,8 @@ import torch
 from tricorn.config import Config, dump_yaml
 from tricorn.planning.flops import IterationFlops, iteration_flops_for_config, mfu, tflops_per_device
 from tricorn.planning.hardware import detect_gpu_type, peak_tflops
+from tricorn.timers import PHASES, Timers
 from tricorn.training.measurements import max_over_ranks, memory_bytes, parameter_counts, params_norm
-from tricorn.training.timers import PHASES, Timers
 
 log = logging.getLogger("tricorn")
 console_log = logging.getLogger("tricorn.console")

@@ -20,14 +20,11 @@ from torch import nn
 
 from tricorn.config import Config
 from tricorn.data.base import Batch, GlobalBatchLoader
+from tricorn.parallel.batch_schedule import MicrobatchCalculator
 from tricorn.parallel.context import slice_batch
 from tricorn.parallel.state import ParallelState
-from tricorn.training.batch_schedule import MicrobatchCalculator
-from tricorn.training.logging import MetricsLogger
-from tricorn.training.lr_schedule import learning_rate
-from tricorn.training.memory_report import write_memory_report
-from tricorn.training.step import StepContext, forward_backward_no_pipelining
-from tricorn.training.timers import (
+from tricorn.parallel.step import StepContext, forward_backward_no_pipelining
+from tricorn.timers import (
     CHECKPOINT_STALL,
     DATA_LOADING,
     FORWARD_BACKWARD,
@@ -35,6 +32,9 @@ from tricorn.training.timers import (
     OPTIMIZER_STEP,
     Timers,
 )
+from tricorn.training.logging import MetricsLogger
+from tricorn.training.lr_schedule import learning_rate
+from tricorn.training.memory_report import write_memory_report
 
 
 class NaNError(RuntimeError):

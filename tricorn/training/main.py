@@ -15,8 +15,9 @@ from tricorn.config import Config
 
 
 def resolve_config(argv: Optional[list[str]]) -> Config:
-    from tricorn.config import ConfigError, config_from_args, validate
+    from tricorn.config import ConfigError, config_from_args
     from tricorn.parallel.state import world_size_from_env
+    from tricorn.validation import validate
 
     try:
         cfg = config_from_args(argv, world_size=world_size_from_env())
@@ -45,10 +46,8 @@ def _cuda_visible() -> bool:
 
 
 def _prepare_vocab(cfg: Config) -> list[str]:
-    try:
-        from tricorn.data.loader import prepare_vocab
-    except ImportError:  # data pipeline not built yet: mock data only
-        return []
+    from tricorn.data.loader import prepare_vocab
+
     return prepare_vocab(cfg)
 
 
@@ -59,9 +58,9 @@ def build(cfg: Config, state):
     from tricorn.parallel.pipeline.build import build_model_chunks
     from tricorn.parallel.pipeline.executor import PipelineExecutor
     from tricorn.parallel.recompute import apply_recompute
+    from tricorn.parallel.step import forward_backward_no_pipelining
     from tricorn.parallel.tensor import seed_everything, tensor_parallel_spec
     from tricorn.training.activation_probe import attach_trainer_probe
-    from tricorn.training.step import forward_backward_no_pipelining
 
     tracker = seed_everything(cfg.training.seed, state.pp_rank, state.tp_rank, state.device)
     spec = apply_context_parallel(tensor_parallel_spec(cfg, state.tp_group, tracker), state.cp_group, cfg.model.seq_length)
@@ -99,26 +98,17 @@ def cast_params(model, cfg: Config) -> None:
 
 
 def build_loaders(cfg: Config, state):
-    try:
-        from tricorn.data.loader import build_loaders as real
-    except ImportError:
-        real = None
-    if real is not None:
-        train, valid, _ = real(cfg, state.dp_rank, state.dp_size)
-        return train, valid
-    from tricorn.data.base import GlobalBatchLoader, MockSamples
+    """(train, valid) loaders of this DP rank (mock data or the .bin/.idx datasets)."""
+    from tricorn.data.loader import build_loaders as data_loaders
 
-    m = cfg.model
-    return (
-        GlobalBatchLoader(MockSamples(m.vocab_size, m.seq_length, cfg.training.seed), state.dp_rank, state.dp_size),
-        GlobalBatchLoader(MockSamples(m.vocab_size, m.seq_length, cfg.training.seed + 1), state.dp_rank, state.dp_size),
-    )
+    train, valid, _ = data_loaders(cfg, state.dp_rank, state.dp_size)
+    return train, valid
 
 
 def build_trainer(cfg: Config, state, logger, with_validation: bool = True):
     """The whole training setup of this rank: (Trainer, RNG tracker). Used by main() and the benchmarks."""
+    from tricorn.timers import Timers
     from tricorn.training.loop import Trainer
-    from tricorn.training.timers import Timers
 
     chunks, optimizer, forward_backward, tracker = build(cfg, state)
     train_loader, valid_loader = build_loaders(cfg, state)

@@ -51,8 +51,8 @@ from tricorn.parallel.pipeline.schedules import (
     schedule_for,
 )
 from tricorn.parallel.pipeline.stages import layout_from_config
-from tricorn.training.step import StepContext
-from tricorn.training.timers import PIPELINE_P2P_WAIT
+from tricorn.parallel.step import StepContext
+from tricorn.timers import PIPELINE_P2P_WAIT
 
 Key = tuple[int, int]  # (microbatch, chunk)
 

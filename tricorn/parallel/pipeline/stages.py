@@ -166,7 +166,7 @@ def validate_pipeline(cfg: Any) -> list[str]:
 
 def _interleaving_batch_errors(cfg: Any, pp: int, vpp: int) -> list[str]:
     """Every global batch size the run uses (ramp-up included) must give a microbatch count divisible by pp."""
-    from tricorn.training.batch_schedule import BatchScheduleError, rampup_batch_sizes
+    from tricorn.parallel.batch_schedule import BatchScheduleError, rampup_batch_sizes
 
     t = cfg.training
     dp = cfg.data_parallel_size

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tricorn.data.base import Batch
-from tricorn.training.timers import NULL_TIMERS, Timers
+from tricorn.timers import NULL_TIMERS, Timers
 
 
 class Optim(Protocol):

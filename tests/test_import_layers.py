@@ -1,0 +1,52 @@
+"""Imports point down only: config is the leaf, parallel sits under training, the model knows no collectives.
+
+Read from the source with `ast`, so a lazy import inside a function counts as much as a top-level one.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "tricorn"
+
+
+def imported_modules(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def offenders(files: list[Path], forbidden: tuple[str, ...]) -> list[str]:
+    return [
+        f"{f.relative_to(PKG.parent)} imports {m}"
+        for f in files
+        for m in sorted(imported_modules(f))
+        if any(m == p or m.startswith(p + ".") for p in forbidden)
+    ]
+
+
+@pytest.mark.parametrize(
+    "files, forbidden",
+    [
+        ([PKG / "config.py"], ("tricorn.parallel", "tricorn.training", "tricorn.planning", "tricorn.data", "tricorn.model")),
+        (sorted((PKG / "parallel").rglob("*.py")), ("tricorn.training", "tricorn.planning")),
+        (sorted((PKG / "model").rglob("*.py")), ("torch.distributed", "tricorn.parallel", "tricorn.training")),
+        ([PKG / "timers.py"], ("tricorn.parallel", "tricorn.training")),
+    ],
+    ids=["config-is-the-leaf", "parallel-under-training", "model-collective-free", "timers-leaf"],
+)
+def test_imports_point_down(files, forbidden):
+    assert files
+    assert offenders(files, forbidden) == []
+
+
+def test_checker_sees_lazy_imports(tmp_path):
+    """The check can fail: an import inside a function is found."""
+    f = tmp_path / "x.py"
+    f.write_text("def f():\n    from tricorn.training.loop import Trainer\n")
+    assert "tricorn.training.loop" in imported_modules(f)

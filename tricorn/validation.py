@@ -1,0 +1,101 @@
+"""Every check a config passes before any process group exists (DESIGN principle 8).
+
+`validate(cfg)` returns one sentence per problem, the layout problems first. It sits above
+config.py (the leaf every module reads) and beside the features whose own validators it calls
+(pipeline split, ramp-up, recompute, Transformer Engine), so that config.py imports nothing
+from tricorn.parallel or tricorn.training. No collectives, no memory.
+"""
+
+from __future__ import annotations
+
+from tricorn.config import Config
+from tricorn.parallel.batch_schedule import validate_rampup
+from tricorn.parallel.pipeline.stages import validate_pipeline
+from tricorn.parallel.recompute import validate_recompute
+from tricorn.parallel.te import TransformerEngineUnavailable, import_te
+
+
+def validate(cfg: Config) -> list[str]:
+    """Every problem with the config, one sentence each, before any process group exists."""
+    m, p, t, d = cfg.model, cfg.parallel, cfg.training, cfg.data
+    errs: list[str] = []
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    for name, v in [
+        ("--tensor-model-parallel-size", tp),
+        ("--pipeline-model-parallel-size", pp),
+        ("--context-parallel-size", cp),
+        ("--num-layers", m.num_layers),
+        ("--hidden-size", m.hidden_size),
+        ("--num-attention-heads", m.num_attention_heads),
+        ("--seq-length", m.seq_length),
+        ("--micro-batch-size", t.micro_batch_size),
+        ("--train-iters", t.train_iters),
+    ]:
+        if v < 1:
+            errs.append(f"{name} must be at least 1, got {v}")
+    if errs:
+        return errs
+    # The split of the model over TP comes first: it is what a user asking for a layout most needs to see.
+    if m.num_attention_heads % tp != 0:
+        errs.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
+    if m.hidden_size % m.num_attention_heads != 0:
+        errs.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}")
+    if m.group_query_attention and not m.num_query_groups:
+        errs.append("--group-query-attention needs --num-query-groups")
+    if m.num_query_groups and not m.group_query_attention:
+        errs.append("--num-query-groups needs --group-query-attention")
+    if m.kv_heads and m.num_attention_heads % m.kv_heads != 0:
+        errs.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.kv_heads}")
+    if m.group_query_attention and m.num_query_groups and m.num_query_groups % tp != 0:
+        errs.append(f"--num-query-groups {m.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}")
+    if m.ffn_size % tp != 0:
+        errs.append(f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}")
+    if m.position_embedding_type == "rope" and m.head_dim % 2 != 0:
+        errs.append(f"RoPE needs an even head dimension, got hidden/heads = {m.head_dim}")
+    if m.seq_length > m.max_positions:
+        errs.append(f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_positions}")
+    if p.sequence_parallel and m.seq_length % (tp * cp) != 0:
+        errs.append(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by TP x CP = {tp * cp}")
+    if cp > 1 and m.seq_length % (2 * cp) != 0:
+        errs.append(f"--context-parallel-size {cp} needs --seq-length {m.seq_length} divisible by 2 x CP = {2 * cp}")
+    world_ok = cfg.world_size % (tp * pp * cp) == 0
+    if not world_ok:
+        errs.append(
+            f"world size {cfg.world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp}; "
+            f"launch a multiple of {tp * pp * cp} processes or change the parallel sizes"
+        )
+    dp = cfg.data_parallel_size
+    if world_ok and t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0:
+        errs.append(
+            f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = "
+            f"{t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}"
+        )
+    if p.overlap_param_gather and not (p.use_distributed_optimizer or p.zero_stage > 1):
+        errs.append(
+            "--overlap-param-gather needs --use-distributed-optimizer (plain DDP all-reduces gradients; "
+            "there is no parameter all-gather to overlap)"
+        )
+    if t.bf16 and t.fp16:
+        errs.append("--bf16 and --fp16 are exclusive; pick one")
+    if cfg.device not in ("cpu", "cuda"):
+        errs.append(f"--device must be cpu or cuda, got '{cfg.device}'")
+    if not d.mock_data and not (d.data_path or d.train_data_path):
+        errs.append("no training data: pass --data-path PREFIX (see `tricorn preprocess`) or --mock-data")
+    if d.mock_data and m.vocab_size is None:
+        errs.append("--mock-data needs --vocab-size")
+    if d.tokenizer_type == "SentencePieceTokenizer" and not d.tokenizer_model and not d.mock_data:
+        errs.append("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model FILE.model")
+    if m.transformer_impl == "transformer_engine" and cfg.device != "cuda":
+        errs.append("--transformer-impl transformer_engine needs --device cuda (Transformer Engine has no CPU path)")
+    if m.transformer_impl == "transformer_engine" and cfg.device == "cuda":
+        try:
+            import_te()
+        except TransformerEngineUnavailable as e:
+            errs.append(str(e))
+    if t.fp8_format and not (t.bf16 or t.fp16):
+        errs.append("--fp8-format needs --bf16 (FP8 GEMMs keep bf16 weights and activations around them)")
+    if t.fp8_format and m.transformer_impl != "transformer_engine":
+        errs.append("--fp8-format needs --transformer-impl transformer_engine")
+    if not errs:  # each feature validates its own flags once the basic shape is sound
+        errs += validate_pipeline(cfg) + validate_rampup(cfg) + validate_recompute(cfg)
+    return errs
