@@ -323,7 +323,7 @@ class DataParallel:
                 self.trace.append(("launch", bucket.index))
             self.cursor += 1
 
-    def _wait_reductions(self) -> None:
+    def wait_reductions(self) -> None:
         for b in self.buckets:
             b.finish_reduce()
         self.cursor = 0
@@ -342,13 +342,22 @@ class DataParallel:
         if is_last or self.opts.sharded_grads:
             self._launch(ready_only=False)
         if self.opts.sharded_grads:
-            self._wait_reductions()
+            self.wait_reductions()
 
     def finish_grad_sync(self) -> None:
         """Start whatever has not started (e.g. backward ran outside `microbatch`) and wait for all of it."""
         if self.dirty:
             self._launch(ready_only=False)
-        self._wait_reductions()
+        self.wait_reductions()
+
+    def close(self) -> None:
+        """Remove the gradient hooks. torch keeps a post-accumulate-grad hook in C++, out of the garbage
+        collector's sight, so hook -> self -> parameter -> hook is a cycle nothing collects: left alone, the
+        buckets and their process group would outlive the run and die only in interpreter finalization."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.on_bucket_ready = None
 
     def zero_grad(self) -> None:
         for b in self.buckets:

@@ -178,9 +178,24 @@ class Optimizer:
 
     def _after_step(self) -> None:
         self._step_grads = {}
+        self.release_gathered()  # gathered copies are stale now
+
+    def release_gathered(self) -> None:
+        """ZeRO-3: free every gathered unit (after a step, and after an evaluation's forward-only passes)."""
         for sharder in self.sharders:
             if sharder is not None:
-                sharder.release_all()  # gathered copies are stale now
+                sharder.release_all()
+
+    def wait_all(self) -> None:
+        """Wait for every collective this optimizer has in flight (end of a run: nothing may outlive the groups)."""
+        for dp in self.data_parallel:
+            dp.wait_reductions()
+            dp.finish_param_gather()
+
+    def close(self) -> None:
+        """End of a run (success or error): drop the gradient hooks that would keep the buckets alive."""
+        for dp in self.data_parallel:
+            dp.close()
 
     def set_lr(self, lr: float) -> None:
         for s in self.shards:

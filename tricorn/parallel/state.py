@@ -20,6 +20,7 @@ group at start-up); no memory effect beyond the communicators.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import socket
@@ -204,10 +205,18 @@ def _embedding_group(mesh: DeviceMesh, rank: int) -> Optional[dist.ProcessGroup]
 
 
 def destroy_parallel(clean_exit: bool = False) -> None:
-    """Tear down the groups. After a clean run every rank first meets at a barrier (gloo can abort
-    a rank whose peer is still finishing its last collective); after an error nobody waits, so the
-    failing rank exits at once and its peers see closed connections instead of hanging."""
+    """Tear down the groups, in order, while the interpreter is fully alive.
+
+    After a clean run every rank first meets at a barrier (gloo can abort a rank whose peer is still
+    finishing its last collective); after an error nobody waits, so the failing rank exits at once and
+    its peers see closed connections instead of hanging. Then every group is destroyed and the garbage
+    collector runs: objects in reference cycles (model hooks, buckets) hold ProcessGroup handles, and a
+    gloo group whose last handle is dropped during interpreter finalization can destroy its worker
+    threads, or release tensors, when no thread may take the GIL any more - the process then dies with
+    "terminate called without an active exception" after a finished run. Callers drop their own
+    references first (main() keeps the trainer inside a function that has returned)."""
     if dist.is_initialized():
         if clean_exit:
             dist.barrier()
         dist.destroy_process_group()
+    gc.collect()

@@ -47,11 +47,11 @@ def forward_backward_no_pipelining(chunks: list[nn.Module], microbatches: list[B
     total = torch.zeros((), dtype=torch.float32, device=microbatches[0].tokens.device)
     for i, mb in enumerate(microbatches):
         mb = ctx.prepare(mb)
-        with ctx.optimizer.microbatch(is_last=i == len(microbatches) - 1):
-            if ctx.forward_only:
-                with torch.no_grad():
-                    loss = microbatch_loss(model, mb, ctx.num_tokens)
-            else:
+        if ctx.forward_only:  # evaluation: no gradients, so no gradient reductions either
+            with torch.no_grad():
+                loss = microbatch_loss(model, mb, ctx.num_tokens)
+        else:
+            with ctx.optimizer.microbatch(is_last=i == len(microbatches) - 1):
                 loss = microbatch_loss(model, mb, ctx.num_tokens)
                 ctx.optimizer.scale_loss(loss).backward()
         total += loss.detach().float()

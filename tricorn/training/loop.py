@@ -126,6 +126,7 @@ class Trainer:
             batch = self.valid_loader.next(gbs)
             ctx = StepContext(self.optimizer, self._global_tokens(batch), forward_only=True, prepare=self._cp_slice)
             total += self._reduce_loss(self.forward_backward(self.chunks, self._microbatches(batch, nmb), ctx))
+        self.optimizer.release_gathered()  # ZeRO-3: a unit kept for its (absent) backward is freed
         self.logger.observe_evaluation(time.perf_counter() - start)  # the ETA counts the remaining evaluations
         return total / self.cfg.data.eval_iters
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from typing import Optional
 
 from tricorn.config import Config
@@ -135,18 +136,31 @@ def main(argv: Optional[list[str]] = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(format_report(cfg))
         return 0
-    from tricorn.data.errors import DataError
     from tricorn.parallel.state import destroy_parallel, init_parallel
-    from tricorn.training.checkpoint import Checkpointer, CheckpointError
-    from tricorn.training.logging import MetricsLogger
-    from tricorn.training.loop import NaNError
     from tricorn.training.signals import ExitConditions
 
     exits = ExitConditions(cfg)  # from here on --exit-signal means "save and exit 0", not "die"
-    state = init_parallel(cfg)
+    code = 1
+    try:
+        code = _train(cfg, init_parallel(cfg), exits)
+    except Exception:  # a bug, not a user error: show it, then still tear down in order (below)
+        traceback.print_exc()
+    finally:
+        # Every object holding a process group or a gloo work died with _train's frame; destroy_parallel
+        # collects what cycles kept, so no C++ communicator outlives the interpreter (issue: abort at exit).
+        destroy_parallel(clean_exit=code == 0)
+    return code
+
+
+def _train(cfg: Config, state, exits) -> int:
+    """Build, load, train, save; 0 on success, 1 on a user-facing error (one line on stderr)."""
+    from tricorn.data.errors import DataError
+    from tricorn.training.checkpoint import Checkpointer, CheckpointError
+    from tricorn.training.logging import MetricsLogger
+    from tricorn.training.loop import NaNError
+
     logger = MetricsLogger(cfg, state.rank, state.device)
-    ckpt = None
-    finished = False
+    ckpt = trainer = None
     try:
         trainer, tracker = build_trainer(cfg, state, logger)
         logger.startup(state, trainer.chunks, trainer.batch_sizes())  # layout, parameters, FLOPs, memory estimate
@@ -155,16 +169,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         trainer.on_iteration_end = ckpt.iteration_hook(exits)
         trainer.train()
         ckpt.finish(trainer)  # the final save, and the wait for a background one
-        finished = True
+        trainer.optimizer.wait_all()  # nothing in flight when the groups go
+        return 0
     except (NaNError, DataError, CheckpointError) as e:
         print(f"tricorn: error: {e}", file=sys.stderr)
         return 1
     finally:
         if ckpt is not None:
-            ckpt.close()
-        logger.close()
-        destroy_parallel(clean_exit=finished)
-    return 0
+            ckpt.close()  # joins the background save thread
+        logger.close()  # joins TensorBoard's writer thread
+        if trainer is not None:
+            trainer.optimizer.close()
 
 
 if __name__ == "__main__":
