@@ -14,8 +14,8 @@ A layout fits when the memory estimator's worst rank stays under (1 - --memory-m
 
 Step-time model: step_time.py, with factors calibrated on published runs (calibration.py). Each time figure
 carries the p10-p90 interval of the calibration's leave-one-out errors. Layouts whose interval overlaps the
-fastest one's are ties: among them the planner prefers fewer pipeline stages, then less TP, then less CP, then
-fewer virtual stages, then less memory, and says so in the `why` column. MFU counts model FLOPs (no recompute),
+fastest one's are ties: among them the planner prefers no recompute and no ZeRO-2/3 (certain extra work), then
+less CP, fewer pipeline stages, less TP, fewer virtual stages, then less memory, and says so in the `why` column. MFU counts model FLOPs (no recompute),
 HFU hardware FLOPs (recompute included).
 No collectives, no device work.
 """
@@ -223,10 +223,10 @@ def _extra_work(lay: Layout) -> tuple[int, int]:
 
 
 def _preference(p: Plan) -> tuple:
-    """Among ties: no extra work first, then fewer pipeline stages, less TP, less CP, fewer virtual stages,
-    then less memory (headroom against the estimate's error), then the faster."""
+    """Among ties: no extra work first, then less CP (no calibration run used CP), fewer pipeline stages, less
+    TP, fewer virtual stages, then less memory (headroom against the estimate's error), then the faster."""
     lay = p.layout
-    return (_extra_work(lay), lay.pp, lay.tp, lay.cp, lay.vpp, round(p.memory_bytes / GiB, 1), p.step_time_s)
+    return (_extra_work(lay), lay.cp, lay.pp, lay.tp, lay.vpp, round(p.memory_bytes / GiB, 1), p.step_time_s)
 
 
 def _why(p: Plan, best: Plan) -> str:
@@ -238,7 +238,7 @@ def _why(p: Plan, best: Plan) -> str:
         parts = [f"recompute {_recompute_text(a)} vs {_recompute_text(b)}"] if _extra_work(a)[0] != _extra_work(b)[0] else []
         parts += [f"ZeRO-{a.zero_stage} vs ZeRO-{b.zero_stage}"] if _extra_work(a)[1] != _extra_work(b)[1] else []
         return f"tie with the fastest; {less} extra work ({', '.join(parts)})"
-    for name, mine, theirs in (("pipeline stages", a.pp, b.pp), ("TP", a.tp, b.tp), ("CP", a.cp, b.cp), ("virtual stages", a.vpp, b.vpp)):
+    for name, mine, theirs in (("CP", a.cp, b.cp), ("pipeline stages", a.pp, b.pp), ("TP", a.tp, b.tp), ("virtual stages", a.vpp, b.vpp)):
         if mine != theirs:
             return f"tie with the fastest; {'fewer' if mine < theirs else 'more'} {name} ({mine} vs {theirs})"
     verb = "less" if p.memory_bytes <= best.memory_bytes else "more"
