@@ -261,8 +261,11 @@ def calibrate(runs: Optional[list[Run]] = None, sources: bool = True) -> dict:
     loo = leave_one_out(runs)
     loso = leave_one_out(runs, key=lambda r: r.source) if sources else {}
 
+    def rounded(d: dict) -> dict:
+        return {str(k): None if v is None else round(v, 4) for k, v in d.items()}
+
     def summary(d: dict) -> Optional[list[float]]:
-        vals = [v for v in d.values() if v is not None]
+        vals = [v for v in rounded(d).values() if v is not None]
         return [round(q, 4) for q in quantiles(vals)] if vals else None
 
     return dict(
@@ -272,6 +275,9 @@ def calibrate(runs: Optional[list[Run]] = None, sources: bool = True) -> dict:
         leave_one_source_out_p10_p50_p90=summary(loso),
         leave_one_source_out_runs=sum(v is not None for v in loso.values()),
         runs=len(runs),
+        in_sample=rounded(in_sample),
+        leave_one_out=rounded(loo),
+        leave_one_source_out=rounded(loso),
     )
 
 
