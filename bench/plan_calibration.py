@@ -37,8 +37,10 @@ def main(argv: list[str]) -> int:
     data = cal.stored()
     effs = {gpu: Efficiency(**f) for gpu, f in data["factors"].items()}
     loo = cal.leave_one_out(runs)
-    print(f"{'#':>2} {'run':<28} {'gpu':<5} {'TP':>2} {'PP':>3} {'VP':>2} {'DP':>4} {'mb':>2} {'rec':<4} Z "
-          f"{'meas MFU':>8} {'pred':>6} {'ratio':>6} {'LOO':>6}  planner  assumptions")
+    print(
+        f"{'#':>2} {'run':<28} {'gpu':<5} {'TP':>2} {'PP':>3} {'VP':>2} {'DP':>4} {'mb':>2} {'rec':<4} Z "
+        f"{'meas MFU':>8} {'pred':>6} {'ratio':>6} {'LOO':>6}  planner  assumptions"
+    )
     ins = []
     for r in runs:
         x = cal.ratio(r, effs[r.gpu])
@@ -57,8 +59,10 @@ def main(argv: list[str]) -> int:
     print(f"predicted / measured MFU, in sample ({len(ins)} runs): p10 {p[0]:.3f}  p50 {p[1]:.3f}  p90 {p[2]:.3f}")
     print(f"leave one run out:                         p10 {lo[0]:.3f}  p50 {lo[1]:.3f}  p90 {lo[2]:.3f}")
     so = data["leave_one_source_out_p10_p50_p90"]
-    print(f"leave one source out ({data['leave_one_source_out_runs']} runs with a source left): "
-          f"p10 {so[0]:.3f}  p50 {so[1]:.3f}  p90 {so[2]:.3f}")
+    print(
+        f"leave one source out ({data['leave_one_source_out_runs']} runs with a source left): "
+        f"p10 {so[0]:.3f}  p50 {so[1]:.3f}  p90 {so[2]:.3f}"
+    )
     print(f"ratio (in-sample p50): {p[1]:.3f}")
     return 0
 

@@ -189,7 +189,7 @@ def _nelder_mead(f, x0: list[float], step: float = 0.2, iters: int = 400, tol: f
         centre = [sum(p[j] for p in pts[:-1]) / (len(pts) - 1) for j in range(len(x0))]
         worst = pts[-1]
 
-        def towards(t: float) -> list[float]:
+        def towards(t: float, centre: list[float] = centre, worst: list[float] = worst) -> list[float]:
             return [c + t * (w - c) for c, w in zip(centre, worst)]
 
         refl = towards(-1.0)
@@ -306,4 +306,3 @@ def with_interval(seconds: float) -> tuple[float, float]:
     """(p10, p90) seconds of a predicted time."""
     lo, hi = interval()
     return seconds * lo, seconds * hi
-

@@ -238,7 +238,12 @@ def _why(p: Plan, best: Plan) -> str:
         parts = [f"recompute {_recompute_text(a)} vs {_recompute_text(b)}"] if _extra_work(a)[0] != _extra_work(b)[0] else []
         parts += [f"ZeRO-{a.zero_stage} vs ZeRO-{b.zero_stage}"] if _extra_work(a)[1] != _extra_work(b)[1] else []
         return f"tie with the fastest; {less} extra work ({', '.join(parts)})"
-    for name, mine, theirs in (("CP", a.cp, b.cp), ("pipeline stages", a.pp, b.pp), ("TP", a.tp, b.tp), ("virtual stages", a.vpp, b.vpp)):
+    for name, mine, theirs in (
+        ("CP", a.cp, b.cp),
+        ("pipeline stages", a.pp, b.pp),
+        ("TP", a.tp, b.tp),
+        ("virtual stages", a.vpp, b.vpp),
+    ):
         if mine != theirs:
             return f"tie with the fastest; {'fewer' if mine < theirs else 'more'} {name} ({mine} vs {theirs})"
     verb = "less" if p.memory_bytes <= best.memory_bytes else "more"
@@ -391,7 +396,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _layout_text(lay: Layout) -> str:
     zero = f"ZeRO-{lay.zero_stage}" if lay.zero_stage else "no distributed optimizer"
-    split = "" if lay.first_stage_layers is None else f" (first/last stage {lay.first_stage_layers}/{lay.last_stage_layers} layers)"
+    split = (
+        "" if lay.first_stage_layers is None else f" (first/last stage {lay.first_stage_layers}/{lay.last_stage_layers} layers)"
+    )
     return (
         f"TP {lay.tp}, PP {lay.pp}{split}, VPP {lay.vpp}, CP {lay.cp}, DP {lay.dp}, micro batch {lay.micro_batch}, "
         f"{zero}, recompute {_recompute_text(lay)}"
@@ -579,8 +586,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"{name}: {total_params(model) / 1e9:.2f} B parameters, seq {model.seq_length}, global batch {gbs}, {precision} on "
         f"{args.gpus} x {gpu.name} ({args.gpus_per_node} per node), {cluster.usable_bytes / GiB:.1f} GiB usable per GPU\n"
         f"{result.considered} layouts considered, {result.fitting} fit, {result.ties} tie with the fastest; "
-        f"top {len(result.plans)}, ties first (simplest first), then by predicted tokens/s:\n"
-        + _table(result.plans)
+        f"top {len(result.plans)}, ties first (simplest first), then by predicted tokens/s:\n" + _table(result.plans)
     )
     fast = result.fastest
     if fast is not None and fast not in result.plans:

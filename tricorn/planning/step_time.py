@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from tricorn.config import ModelConfig
-from tricorn.planning.hardware import GPUSpec
+from tricorn.planning.hardware import BUS_EFFICIENCY, GPUSpec
 from tricorn.planning.memory import Layout, activation_element_bytes, stage_layer_counts, stage_params_per_rank
 
 HALF_DIM = 128  # a GEMM or attention block this small in its smallest dimension runs at half its large-size speed
@@ -44,12 +44,14 @@ OPTIMIZER_BYTES_PER_PARAM = 32
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Fractions of the datasheet figure the work reaches: GEMMs, attention core, NVLink and network collectives."""
+    """Fractions of the datasheet figure the work reaches: GEMMs, attention core, NVLink and network collectives.
+
+    The defaults (typical figures, nccl-tests' busbw for the links) are the fit's starting point and prior."""
 
     gemm: float = 0.75
     attention: float = 0.50
-    nvlink: float = 0.80
-    network: float = 0.85
+    nvlink: float = BUS_EFFICIENCY["nvlink"]
+    network: float = BUS_EFFICIENCY["network"]
 
     def as_dict(self) -> dict:
         return dict(gemm=self.gemm, attention=self.attention, nvlink=self.nvlink, network=self.network)
@@ -160,7 +162,9 @@ def _exposed(transfer: float, window: float, floor: float) -> float:
     return max(floor, transfer - window)
 
 
-def _dp_time(model: ModelConfig, lay: Layout, cluster: Cluster, features: RunFeatures, layer: _Layer, layers: int, per_mb: float) -> float:
+def _dp_time(
+    model: ModelConfig, lay: Layout, cluster: Cluster, features: RunFeatures, layer: _Layer, layers: int, per_mb: float
+) -> float:
     """Exposed seconds of the data-parallel (DP x CP) traffic in one iteration."""
     shard = lay.dp * lay.cp
     if shard == 1:
