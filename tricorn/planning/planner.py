@@ -4,15 +4,19 @@
     tricorn plan ... --json | --max-model | --emit-sbatch scripts/slurm/llama2-70b.sbatch
 
 Enumerated: TP (a divisor of the GPUs per node that divides the heads, key/value groups and ffn width), CP
-(1, 2, 4, 8 for sequences of CP_MIN_SEQ tokens or more, while each rank keeps >= 1024 tokens), PP (divisors of the layer count), virtual stages (when
-PP > 1 and the microbatch count divides by PP), DP (the rest; it must divide the global batch), micro batch
-(1, 2, 4, 8), recompute (none, selective, full), distributed optimizer (off, ZeRO-1, and ZeRO-2/3 when PP = 1).
-Sequence parallelism is on whenever TP > 1 (same traffic as plain TP, less memory). A layout fits when the
-memory estimator's worst rank stays under (1 - --memory-margin) of the device memory.
+(2, 4, ..., 32 for sequences of CP_MIN_SEQ tokens or more, while each rank keeps >= 1024 tokens), PP (any
+count up to the layers; one that does not divide them puts the remainder on the first and last stages through
+--decoder-first/last-pipeline-num-layers), virtual stages (even splits, when the microbatch count divides by
+PP), DP (the rest; it must divide the global batch), micro batch (every divisor of the batch per DP rank, the
+largest that fits), recompute (none, selective of core_attn / mlp / mlp + norm / all three, full),
+distributed optimizer (off, ZeRO-1, and ZeRO-2/3 when PP = 1). Sequence parallelism is on whenever TP > 1.
+A layout fits when the memory estimator's worst rank stays under (1 - --memory-margin) of the device memory.
 
-Step-time model: see step_time.py (compute at a GEMM efficiency that falls for small matmuls, TP over NVLink,
-the pipeline bubble, DP over the network with overlap, the optimizer's HBM traffic).
-Ranked by tokens/s; ties go to the layout that uses less memory. MFU counts model FLOPs (no recompute).
+Step-time model: step_time.py, with factors calibrated on published runs (calibration.py). Each time figure
+carries the p10-p90 interval of the calibration's leave-one-out errors. Layouts whose interval overlaps the
+fastest one's are ties: among them the planner prefers no recompute and no ZeRO-2/3 (certain extra work), then
+less CP, fewer pipeline stages, less TP, fewer virtual stages, then less memory, and says so in the `why` column. MFU counts model FLOPs (no recompute),
+HFU hardware FLOPs (recompute included).
 No collectives, no device work.
 """
 
@@ -23,18 +27,29 @@ import dataclasses
 import json
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from tricorn.config import ConfigError, ModelConfig, config_from_args
+from tricorn.planning import calibration
 from tricorn.planning.flops import iteration_flops
 from tricorn.planning.hardware import GiB, get_gpu
 from tricorn.planning.memory import Layout, bytes_per_param, estimate, total_params
 from tricorn.planning.step_time import Cluster, step_time
 
 CP_MIN_SEQ = 8192  # below this, CP's split attention costs more than its memory saving is worth
-MICRO_BATCHES = (1, 2, 4, 8)
-RECOMPUTE = (None, "selective", "full")
+CP_SIZES = (1, 2, 4, 8, 16, 32)
+MAX_VPP = 8
+# (granularity, modules), cheapest first. With flash attention the MLP holds most of a layer's activations.
+RECOMPUTE: tuple[tuple[Optional[str], tuple[str, ...]], ...] = (
+    (None, ("core_attn",)),
+    ("selective", ("core_attn",)),
+    ("selective", ("mlp",)),
+    ("selective", ("mlp", "norm")),
+    ("selective", ("core_attn", "mlp", "norm")),
+    ("full", ("core_attn",)),
+)
+_INTERVAL_FIGURES = ("step_time_s", "tokens_per_s", "tflops_per_gpu", "hw_tflops_per_gpu", "mfu", "hfu")
 
 
 @dataclass
@@ -43,13 +58,25 @@ class Plan:
     memory_bytes: float
     step_time_s: float
     tokens_per_s: float
-    tflops_per_gpu: float
+    tflops_per_gpu: float  # model FLOPs per second per GPU
     mfu: float
     breakdown: dict
+    hw_tflops_per_gpu: float = 0.0  # hardware FLOPs (recompute included)
+    hfu: float = 0.0
+    tie: bool = False  # within the interval of the fastest layout
+    why: str = ""
+    interval: tuple[float, float] = (1.0, 1.0)  # p10, p90 multipliers of the predicted time
+    extra: dict = field(default_factory=dict)
+
+    def bounds(self, name: str) -> tuple[float, float]:
+        """(p10, p90) of a figure: a time scales with the interval, a rate inversely."""
+        lo, hi = self.interval
+        x = getattr(self, name)
+        return (x * lo, x * hi) if name == "step_time_s" else (x / hi, x / lo)
 
     def to_dict(self) -> dict:
         lay = self.layout
-        return dict(
+        out = dict(
             tp=lay.tp,
             pp=lay.pp,
             vpp=lay.vpp,
@@ -59,16 +86,19 @@ class Plan:
             num_microbatches=lay.num_microbatches,
             sequence_parallel=lay.sequence_parallel,
             recompute=lay.recompute,
+            recompute_modules=list(lay.recompute_modules) if lay.recompute == "selective" else None,
+            decoder_first_pipeline_num_layers=lay.first_stage_layers,
+            decoder_last_pipeline_num_layers=lay.last_stage_layers,
             distributed_optimizer=lay.zero_stage > 0,
             zero_stage=lay.zero_stage,
             memory_bytes=self.memory_bytes,
             memory_gb=round(self.memory_bytes / GiB, 2),
-            step_time_s=self.step_time_s,
-            tokens_per_s=self.tokens_per_s,
-            tflops_per_gpu=self.tflops_per_gpu,
-            mfu=self.mfu,
-            breakdown=self.breakdown,
         )
+        for name in _INTERVAL_FIGURES:
+            lo, hi = self.bounds(name)
+            out.update({name: getattr(self, name), f"{name}_p10": lo, f"{name}_p90": hi})
+        out.update(tie=self.tie, why=self.why, breakdown=self.breakdown)
+        return out
 
 
 # ---------------------------------------------------------------- enumeration
@@ -86,43 +116,71 @@ def valid_tps(model: ModelConfig, gpus_per_node: int) -> list[int]:
     return out
 
 
-def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16") -> Iterator[Layout]:
+def stage_split(num_layers: int, pp: int) -> Optional[tuple[Optional[int], Optional[int]]]:
+    """(first, last) stage layers for PP stages: (None, None) when PP divides the layers, else the middle stages
+    take ceil(layers / PP) each and the first and last share the rest (the last, which runs the head, the
+    smaller half); None when no such split exists."""
+    if num_layers % pp == 0:
+        return None, None
+    k = -(-num_layers // pp)
+    rest = num_layers - (pp - 2) * k
+    last = rest // 2
+    first = rest - last
+    if pp < 2 or last < 1 or first > k:
+        return None
+    return first, last
+
+
+def valid_cps(model: ModelConfig) -> list[int]:
     seq = model.seq_length
+    return [cp for cp in CP_SIZES if cp == 1 or (seq >= CP_MIN_SEQ and seq % (2 * cp) == 0 and seq // cp >= 1024)]
+
+
+def layout_groups(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16") -> Iterator[list[Layout]]:
+    """Layouts in groups that differ only in the micro batch, smallest first (memory grows along a group)."""
     for tp in valid_tps(model, cluster.gpus_per_node):
-        for cp in (1, 2, 4, 8):
-            if cp > 1 and (seq < CP_MIN_SEQ or seq % (2 * cp) or seq // cp < 1024):
-                continue
-            for pp in divisors(model.num_layers):
-                model_ranks = tp * cp * pp
-                if cluster.gpus % model_ranks:
+        for cp in valid_cps(model):
+            for pp in range(1, model.num_layers + 1):
+                split = stage_split(model.num_layers, pp)
+                if cluster.gpus % (tp * cp * pp) or split is None:
                     continue
-                dp = cluster.gpus // model_ranks
-                for mb in MICRO_BATCHES:
-                    if global_batch % (mb * dp):
-                        continue
-                    m = global_batch // (mb * dp)
-                    vpps = [1] + [v for v in divisors(model.num_layers // pp)[1:] if pp > 1 and m % pp == 0 and v <= 8]
-                    zeros = (0, 1, 2, 3) if pp == 1 else (0, 1)
-                    for vpp in vpps:
-                        for recompute in RECOMPUTE:
-                            for zero in zeros if dp * cp > 1 else (0,):
-                                yield Layout(
-                                    tp=tp,
-                                    pp=pp,
-                                    cp=cp,
-                                    dp=dp,
-                                    vpp=vpp,
-                                    micro_batch=mb,
-                                    num_microbatches=m,
-                                    sequence_parallel=tp > 1,
-                                    recompute=recompute,
-                                    zero_stage=zero,
-                                    precision=precision,
+                dp = cluster.gpus // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                base = Layout(tp=tp, pp=pp, cp=cp, dp=dp, sequence_parallel=tp > 1, precision=precision)
+                base = dataclasses.replace(base, first_stage_layers=split[0], last_stage_layers=split[1])
+                zeros = ((0, 1, 2, 3) if pp == 1 else (0, 1)) if dp * cp > 1 else (0,)
+                vpps = [1] if split[0] is not None or pp == 1 else [v for v in divisors(model.num_layers // pp) if v <= MAX_VPP]
+                for vpp in vpps:
+                    for recompute, modules in RECOMPUTE:
+                        for zero in zeros:
+                            group = []
+                            for mb in divisors(global_batch // dp):
+                                m = global_batch // (mb * dp)
+                                if vpp > 1 and m % pp:
+                                    continue
+                                group.append(
+                                    dataclasses.replace(
+                                        base,
+                                        vpp=vpp,
+                                        micro_batch=mb,
+                                        num_microbatches=m,
+                                        recompute=recompute,
+                                        recompute_modules=modules,
+                                        zero_stage=zero,
+                                    )
                                 )
+                            if group:
+                                yield group
+
+
+def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16") -> Iterator[Layout]:
+    for group in layout_groups(model, cluster, global_batch, precision):
+        yield from group
 
 
 def worst_memory(model: ModelConfig, layout: Layout) -> float:
-    # Equal stages: the first (most microbatches in flight, embedding) or the last (logits) is the worst.
+    # The first stage (most microbatches in flight, embedding) or the last (logits) is the worst.
     return estimate(model, layout, stages=(0, layout.pp - 1)).total_bytes
 
 
@@ -131,28 +189,103 @@ def worst_memory(model: ModelConfig, layout: Layout) -> float:
 
 @dataclass
 class PlanResult:
-    plans: list[Plan]  # the top k
+    plans: list[Plan]  # the top k, the chosen layout first
     considered: int  # layouts that satisfied every divisibility rule
     fitting: int
     leanest: Optional[tuple[Layout, float]]  # the layout needing least memory among those that did not fit
+    ties: int = 0  # layouts within the interval of the fastest
+    fastest: Optional[Plan] = None
+
+
+def evaluate(model: ModelConfig, lay: Layout, cluster: Cluster, global_batch: int, memory: float) -> Plan:
+    """The predicted figures of one layout, with the calibration's interval."""
+    t, breakdown = step_time(model, lay, cluster, global_batch)
+    flops = iteration_flops(
+        model,
+        global_batch,
+        vocab_size=model.padded_vocab_size(lay.tp),
+        recompute_granularity=lay.recompute,
+        recompute_modules=lay.recompute_modules,
+    )
+    per_gpu = 1e12 * cluster.gpus * t
+    tflops, hw = flops.model / per_gpu, flops.hardware / per_gpu
+    tokens = global_batch * model.seq_length / t
+    p = Plan(lay, memory, t, tokens, tflops, tflops / cluster.peak_tflops, breakdown, hw, hw / cluster.peak_tflops)
+    p.interval = calibration.interval()
+    return p
+
+
+def _extra_work(lay: Layout) -> tuple[int, int]:
+    """Recompute and ZeRO-2/3 trade certain extra work for memory (ZeRO-1 costs nothing over plain DP)."""
+    return RECOMPUTE.index((lay.recompute, lay.recompute_modules if lay.recompute == "selective" else ("core_attn",))), max(
+        0, lay.zero_stage - 1
+    )
+
+
+def _preference(p: Plan) -> tuple:
+    """Among ties: no extra work first, then less CP (no calibration run used CP), fewer pipeline stages, less
+    TP, fewer virtual stages, then less memory (headroom against the estimate's error), then the faster."""
+    lay = p.layout
+    return (_extra_work(lay), lay.cp, lay.pp, lay.tp, lay.vpp, round(p.memory_bytes / GiB, 1), p.step_time_s)
+
+
+def _why(p: Plan, best: Plan) -> str:
+    if p is best:
+        return "fastest predicted"
+    a, b = p.layout, best.layout
+    if _extra_work(a) != _extra_work(b):
+        less = "less" if _extra_work(a) < _extra_work(b) else "more"
+        parts = [f"recompute {_recompute_text(a)} vs {_recompute_text(b)}"] if _extra_work(a)[0] != _extra_work(b)[0] else []
+        parts += [f"ZeRO-{a.zero_stage} vs ZeRO-{b.zero_stage}"] if _extra_work(a)[1] != _extra_work(b)[1] else []
+        return f"tie with the fastest; {less} extra work ({', '.join(parts)})"
+    for name, mine, theirs in (
+        ("CP", a.cp, b.cp),
+        ("pipeline stages", a.pp, b.pp),
+        ("TP", a.tp, b.tp),
+        ("virtual stages", a.vpp, b.vpp),
+    ):
+        if mine != theirs:
+            return f"tie with the fastest; {'fewer' if mine < theirs else 'more'} {name} ({mine} vs {theirs})"
+    verb = "less" if p.memory_bytes <= best.memory_bytes else "more"
+    return f"tie with the fastest; {verb} memory ({p.memory_bytes / GiB:.1f} vs {best.memory_bytes / GiB:.1f} GiB)"
+
+
+def rank(plans: list[Plan]) -> list[Plan]:
+    """Ties with the fastest first, simplest first; then the rest by predicted time. Marks ``tie`` and ``why``."""
+    if not plans:
+        return []
+    by_time = sorted(plans, key=lambda p: (p.step_time_s, p.memory_bytes))
+    fastest = by_time[0]
+    fast_hi = fastest.bounds("step_time_s")[1]
+    ties = [p for p in by_time if p.bounds("step_time_s")[0] <= fast_hi]
+    rest = [p for p in by_time if p.bounds("step_time_s")[0] > fast_hi]
+    ties.sort(key=_preference)
+    chosen = ties[0]
+    for p in ties:
+        p.tie = True
+        p.why = _why(p, fastest)
+    if chosen is not fastest:
+        chosen.why += "; preferred among the ties"
+    for p in rest:
+        p.why = f"{p.step_time_s / fastest.step_time_s - 1:.0%} slower than the fastest, beyond the interval"
+    return ties + rest
 
 
 def plan(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16", top_k: int = 5) -> PlanResult:
-    flops = iteration_flops(model, global_batch, vocab_size=model.padded_vocab_size(1))
     fits: list[Plan] = []
     considered, leanest = 0, None
-    for lay in enumerate_layouts(model, cluster, global_batch, precision):
-        considered += 1
-        mem = worst_memory(model, lay)
-        if mem > cluster.usable_bytes:
-            if leanest is None or mem < leanest[1]:
-                leanest = (lay, mem)
-            continue
-        t, breakdown = step_time(model, lay, cluster, global_batch)
-        tflops = flops.model / t / cluster.gpus / 1e12
-        fits.append(Plan(lay, mem, t, global_batch * model.seq_length / t, tflops, tflops / cluster.peak_tflops, breakdown))
-    fits.sort(key=lambda p: (p.step_time_s, p.memory_bytes))
-    return PlanResult(fits[:top_k], considered, len(fits), leanest)
+    for group in layout_groups(model, cluster, global_batch, precision):
+        considered += len(group)
+        for lay in group:  # memory grows with the micro batch: stop at the first that does not fit
+            mem = worst_memory(model, lay)
+            if mem > cluster.usable_bytes:
+                if leanest is None or mem < leanest[1]:
+                    leanest = (lay, mem)
+                break
+            fits.append(evaluate(model, lay, cluster, global_batch, mem))
+    ranked = rank(fits)
+    fastest = min(fits, key=lambda p: p.step_time_s) if fits else None
+    return PlanResult(ranked[:top_k], considered, len(fits), leanest, sum(p.tie for p in ranked), fastest)
 
 
 def lean_fit(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16") -> Optional[tuple[Layout, float]]:
@@ -263,9 +396,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _layout_text(lay: Layout) -> str:
     zero = f"ZeRO-{lay.zero_stage}" if lay.zero_stage else "no distributed optimizer"
+    split = (
+        "" if lay.first_stage_layers is None else f" (first/last stage {lay.first_stage_layers}/{lay.last_stage_layers} layers)"
+    )
     return (
-        f"TP {lay.tp}, PP {lay.pp}, VPP {lay.vpp}, CP {lay.cp}, DP {lay.dp}, micro batch {lay.micro_batch}, "
-        f"{zero}, recompute {lay.recompute or 'none'}"
+        f"TP {lay.tp}, PP {lay.pp}{split}, VPP {lay.vpp}, CP {lay.cp}, DP {lay.dp}, micro batch {lay.micro_batch}, "
+        f"{zero}, recompute {_recompute_text(lay)}"
     )
 
 
@@ -293,16 +429,39 @@ def explain_impossible(
     )
 
 
+def _iv(p: Plan, name: str, fmt: str) -> str:
+    lo, hi = p.bounds(name)
+    return f"{format(getattr(p, name), fmt)} [{format(lo, fmt)}-{format(hi, fmt)}]"
+
+
+def _recompute_text(lay: Layout) -> str:
+    if lay.recompute == "selective":
+        return "sel:" + "+".join(m.replace("core_attn", "attn") for m in lay.recompute_modules)
+    return lay.recompute or "none"
+
+
 def _table(plans: list[Plan]) -> str:
-    head = " #  TP PP VPP CP  DP  mb  recompute  ZeRO   mem/GPU   step s   tokens/s  TFLOP/s/GPU    MFU"
+    head = (
+        " #  TP PP VPP CP  DP  mb  recompute       ZeRO  mem/GPU  step s [p10-p90]      tokens/s [p10-p90]      "
+        "TFLOP/s/GPU      MFU [p10-p90]     HFU [p10-p90]     why"
+    )
     rows = [head]
     for i, p in enumerate(plans, 1):
         lay = p.layout
+        pp = f"{lay.pp}" if lay.first_stage_layers is None else f"{lay.pp}*"
         rows.append(
-            f"{i:2d} {lay.tp:3d} {lay.pp:2d} {lay.vpp:3d} {lay.cp:2d} {lay.dp:3d} {lay.micro_batch:3d}  "
-            f"{lay.recompute or 'none':<9} {lay.zero_stage:5d} {p.memory_bytes / GiB:6.1f} GiB {p.step_time_s:8.2f} "
-            f"{p.tokens_per_s:10.0f} {p.tflops_per_gpu:12.0f} {p.mfu:6.1%}"
+            f"{i:2d}{'=' if p.tie else ' '}{lay.tp:3d} {pp:>2} {lay.vpp:3d} {lay.cp:2d} {lay.dp:3d} {lay.micro_batch:3d}  "
+            f"{_recompute_text(lay):<15} {lay.zero_stage:4d} {p.memory_bytes / GiB:5.1f} GiB  {_iv(p, 'step_time_s', '.2f'):<21}"
+            f"{_iv(p, 'tokens_per_s', '.0f'):<24}{_iv(p, 'tflops_per_gpu', '.0f'):<17}"
+            f"{_iv(p, 'mfu', '.1%'):<18}{_iv(p, 'hfu', '.1%'):<18}{p.why}"
         )
+    if any(p.layout.first_stage_layers is not None for p in plans):
+        rows.append("PP*: uneven split, the first and last stages hold the remainder (--decoder-first/last-pipeline-num-layers)")
+    lo, hi = plans[0].interval if plans else (1.0, 1.0)
+    rows.append(
+        f"= : tie, its p10-p90 interval overlaps the fastest layout's. Intervals: x{lo:.2f}-x{hi:.2f} of the predicted "
+        "time, the leave-one-out error on published Megatron-LM runs (bench/plan_calibration.py)."
+    )
     return "\n".join(rows)
 
 
@@ -325,8 +484,10 @@ def _emit(path: str, name: str, model: ModelConfig, top: Plan, cluster: Cluster,
         comments=[
             "Generated by: tricorn plan " + " ".join(_canonical(argv)),
             f"Layout: {_layout_text(top.layout)}",
-            f"Predicted by tricorn's step-time model: {top.memory_bytes / GiB:.1f} GiB per GPU, {top.step_time_s:.1f} s per "
-            f"iteration, {top.tokens_per_s:,.0f} tokens/s, {top.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {top.mfu:.1%}",
+            f"Predicted by tricorn's step-time model: {top.memory_bytes / GiB:.1f} GiB per GPU, "
+            f"{_iv(top, 'step_time_s', '.1f')} s per iteration,",
+            f"  {_iv(top, 'tokens_per_s', ',.0f')} tokens/s, {_iv(top, 'tflops_per_gpu', '.0f')} TFLOP/s per GPU, "
+            f"MFU {_iv(top, 'mfu', '.1%')} (p10-p90 intervals); {top.why}",
         ],
     )
     sbatch.write_script(path, sbatch.render(job))
@@ -424,9 +585,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(
         f"{name}: {total_params(model) / 1e9:.2f} B parameters, seq {model.seq_length}, global batch {gbs}, {precision} on "
         f"{args.gpus} x {gpu.name} ({args.gpus_per_node} per node), {cluster.usable_bytes / GiB:.1f} GiB usable per GPU\n"
-        f"{result.considered} layouts considered, {result.fitting} fit; top {len(result.plans)} by predicted tokens/s:\n"
-        + _table(result.plans)
+        f"{result.considered} layouts considered, {result.fitting} fit, {result.ties} tie with the fastest; "
+        f"top {len(result.plans)}, ties first (simplest first), then by predicted tokens/s:\n" + _table(result.plans)
     )
+    fast = result.fastest
+    if fast is not None and fast not in result.plans:
+        print(
+            f"fastest predicted (not preferred, see 'why'): {_layout_text(fast.layout)}: {_iv(fast, 'step_time_s', '.2f')} s, "
+            f"{_iv(fast, 'tokens_per_s', '.0f')} tokens/s, MFU {_iv(fast, 'mfu', '.1%')}, {fast.memory_bytes / GiB:.1f} GiB"
+        )
     if args.emit_sbatch:
         print(f"wrote {args.emit_sbatch} for layout 1")
     return 0
+
+
+def compare_with_published(run: calibration.Run) -> str:
+    """'ok' when the planner's choice for ``run``'s model, cluster and batch predicts at least the published
+    layout's throughput, 'tie' when it is within the interval of it, 'worse' otherwise (both predicted with
+    tricorn's features); 'n/a' when nothing fits tricorn's memory estimate."""
+    cluster = run.cluster(calibration.efficiency_for(run.gpu))
+    result = plan(run.model, cluster, run.global_batch, run.layout.precision, top_k=1)
+    if not result.plans:
+        return "n/a"
+    published = evaluate(run.model, run.layout, cluster, run.global_batch, 0.0)
+    choice = result.plans[0]
+    if choice.step_time_s <= published.step_time_s:
+        return "ok"
+    return "tie" if choice.bounds("step_time_s")[0] <= published.bounds("step_time_s")[1] else "worse"

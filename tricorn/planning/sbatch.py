@@ -239,6 +239,10 @@ def layout_args(layout, global_batch: int) -> list[str]:
     args = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp)]
     if layout.vpp > 1:
         args += ["--num-virtual-stages-per-pipeline-rank", str(layout.vpp)]
+    if layout.first_stage_layers is not None:
+        args += ["--decoder-first-pipeline-num-layers", str(layout.first_stage_layers)]
+    if layout.last_stage_layers is not None:
+        args += ["--decoder-last-pipeline-num-layers", str(layout.last_stage_layers)]
     if layout.cp > 1:
         args += ["--context-parallel-size", str(layout.cp)]
     if layout.sequence_parallel:
@@ -248,6 +252,8 @@ def layout_args(layout, global_batch: int) -> list[str]:
         args += ["--recompute-granularity", layout.recompute]
         if layout.recompute == "full":
             args += ["--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        elif tuple(layout.recompute_modules) != ("core_attn",):
+            args += ["--recompute-modules", *layout.recompute_modules]
     if layout.zero_stage:
         args += ["--use-distributed-optimizer", "--overlap-param-gather"]
         if layout.zero_stage > 1:

@@ -1,42 +1,69 @@
 """Predicted seconds per training iteration of a layout on a cluster, for ranking layouts in `tricorn plan`.
 
-All constants are below, the GPU figures in hardware.py.
-- compute: each GEMM of a microbatch on a rank takes FLOPs / (peak * eff), with
-  eff = GEMM_EFFICIENCY * k / (k + GEMM_HALF_DIM), k the smallest GEMM dimension - small matmuls (thin TP
-  shards, short microbatches) run further from peak. Backward costs 2x forward, full recompute adds a forward,
-  selective an attention core; flash attention runs at ATTENTION_EFFICIENCY and its backward is 2.5x forward.
-  Memory-bound work (norms, RoPE, activations, casts) adds ELEMENTWISE_OVERHEAD of the GEMM time.
+The shape of the model is fixed below; four efficiencies per GPU type (``Efficiency``) are fitted to published
+runs by tricorn/planning/calibration.py and stored in tricorn/planning/data/step_time_calibration.json.
+- compute: each GEMM of a microbatch on a rank takes FLOPs / (peak * gemm * k / (k + HALF_DIM)), k the smallest
+  GEMM dimension - small matmuls (thin TP shards, short microbatches) run further from peak. The attention core
+  runs at ``attention`` x b / (b + HALF_DIM), b the length of the query/key blocks (s, or s / 2CP under CP's
+  load-balanced chunks). Backward costs 2x the GEMMs' forward and 2.5x the attention core's (flash recomputes
+  Q K^T). Memory-bound work (norms, RoPE, activations, casts) adds ELEMENTWISE_OVERHEAD of the GEMM time.
+- recompute: full re-runs the layer's forward; selective re-runs the modules named (core_attn: the attention
+  core; mlp: the MLP's up projection and activation; norm: the two norms, memory-bound).
 - TP: with SP, 4 all-gathers / reduce-scatters of the [tokens, h] activation per layer forward and 4 backward
-  (4 more with full recompute), over NVLink at the bus efficiency; not overlapped with compute.
+  (4 more with full recompute, 1 more when selective recompute re-gathers the MLP input), at ``nvlink`` x the
+  NVLink rate; not overlapped with compute unless the run overlaps them (``RunFeatures.tp_comm_overlap``).
 - CP: each layer passes K and V around the ring in CP - 1 steps (forward, and twice that backward); a step's
-  transfer overlaps only with that step's attention block, and the split attention runs CP_ATTENTION_PENALTY
-  slower per extra CP rank. The ring runs over NVLink when TP x CP fits in a node.
-- PP: per-microbatch stage time t (the slowest stage: the last one also runs the head); the pipeline takes
-  t * (M + (PP - 1) / V) for M microbatches and V virtual stages (the bubble), plus the point-to-point sends.
-- DP: gradients are reduce-scattered (distributed optimizer) or all-reduced, and the distributed optimizer
-  all-gathers the 16-bit parameters, over the network when the DP group leaves the node. The reduction
-  overlaps with the last microbatch's backward and the gather with the first forward, but at most DP_OVERLAP
-  of a transfer ever hides; ZeRO-2 reduces every microbatch, ZeRO-3 also gathers parameters for every forward
-  and backward (so they cost more than ZeRO-1 and win only where memory demands them).
+  transfer hides behind that step's attention block. The ring runs over NVLink when TP x CP fits in a node.
+- PP: the slowest stage's per-microbatch time t (stages hold --decoder-first/last-pipeline-num-layers where
+  given, the rest split evenly; the last also runs the head); the pipeline takes t * (M + (PP - 1) / V) for M
+  microbatches and V virtual stages (the bubble), plus the point-to-point sends.
+- DP: gradients are reduce-scattered (distributed optimizer) or all-reduced, and ZeRO-1/2 all-gather the
+  16-bit parameters after the optimizer step, at ``network`` x the network rate when the group leaves the node.
+  With --overlap-grad-reduce the reduction hides behind the backward except the last layer's bucket; with
+  --overlap-param-gather the gather hides behind the first forward likewise. ZeRO-2 reduces every microbatch.
+  ZeRO-3 gathers each layer's parameters in forward and again in backward and reduce-scatters its gradients,
+  prefetching the next layer while one computes: per layer only max(0, transfer - compute) shows, plus the
+  first layer's gather; there is no gather after the step.
 - optimizer: AdamW streams ~OPTIMIZER_BYTES_PER_PARAM bytes per (sharded) parameter through HBM.
 No collectives, no device work.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 from tricorn.config import ModelConfig
 from tricorn.planning.hardware import BUS_EFFICIENCY, GPUSpec
-from tricorn.planning.memory import Layout, activation_element_bytes, stage_params_per_rank
+from tricorn.planning.memory import Layout, activation_element_bytes, stage_layer_counts, stage_params_per_rank
 
-GEMM_EFFICIENCY = 0.75
-GEMM_HALF_DIM = 128
-ATTENTION_EFFICIENCY = 0.50
-CP_ATTENTION_PENALTY = 0.15
+HALF_DIM = 128  # a GEMM or attention block this small in its smallest dimension runs at half its large-size speed
 ELEMENTWISE_OVERHEAD = 0.15
-DP_OVERLAP = 0.8
 OPTIMIZER_BYTES_PER_PARAM = 32
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the datasheet figure the work reaches: GEMMs, attention core, NVLink and network collectives.
+
+    The defaults (typical figures, nccl-tests' busbw for the links) are the fit's starting point and prior."""
+
+    gemm: float = 0.75
+    attention: float = 0.50
+    nvlink: float = BUS_EFFICIENCY["nvlink"]
+    network: float = BUS_EFFICIENCY["network"]
+
+    def as_dict(self) -> dict:
+        return dict(gemm=self.gemm, attention=self.attention, nvlink=self.nvlink, network=self.network)
+
+
+@dataclass(frozen=True)
+class RunFeatures:
+    """What a run overlaps. tricorn's trainer: grad reduce and param gather overlapped, TP comm not."""
+
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    tp_comm_overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,102 +73,158 @@ class Cluster:
     gpu: GPUSpec
     peak_tflops: float
     memory_margin: float = 0.10
+    efficiency: Optional[Efficiency] = None  # None: the calibrated factors of this GPU type
 
     @property
     def usable_bytes(self) -> float:
         return self.gpu.memory_bytes * (1 - self.memory_margin)
 
+    @property
+    def eff(self) -> Efficiency:
+        if self.efficiency is not None:
+            return self.efficiency
+        from tricorn.planning.calibration import efficiency_for
 
-def _gemm_time(flops: float, m: float, n: float, k: float, peak: float) -> float:
-    smallest = min(m, n, k)
-    return flops / (peak * GEMM_EFFICIENCY * smallest / (smallest + GEMM_HALF_DIM))
+        return efficiency_for(self.gpu.name)
+
+
+@dataclass
+class _Layer:
+    """Seconds of one layer for one microbatch on one rank."""
+
+    fwd: float = 0.0  # compute of the forward
+    total: float = 0.0  # compute of forward + backward + recompute, with elementwise work
+    tp_comm: float = 0.0
+    cp_exposed: float = 0.0
+    parts: dict = field(default_factory=dict)
+
+
+def _gemm_time(flops: float, smallest: float, peak: float, eff: float) -> float:
+    return flops / (peak * eff * smallest / (smallest + HALF_DIM))
 
 
 def _link(cluster: Cluster, group_stride: int, group_size: int) -> float:
     """Bytes/s per rank of a collective over ``group_size`` ranks ``group_stride`` apart."""
     if group_stride * group_size <= cluster.gpus_per_node:
-        return cluster.gpu.nvlink_bytes_per_s * BUS_EFFICIENCY["nvlink"]
-    return cluster.gpu.network_bytes_per_s * BUS_EFFICIENCY["network"]
+        return cluster.gpu.nvlink_bytes_per_s * cluster.eff.nvlink
+    return cluster.gpu.network_bytes_per_s * cluster.eff.network
 
 
-def _exposed(transfer: float, window: float) -> float:
-    """Time of a transfer not hidden behind ``window`` of compute: at most DP_OVERLAP of it ever hides."""
-    return max(transfer * (1 - DP_OVERLAP), transfer - window)
-
-
-def step_time(model: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int) -> tuple[float, dict]:
-    lay, peak = layout, cluster.peak_tflops * 1e12
-    h, f, gd, tp = model.hidden_size, model.ffn_size, model.kv_heads * model.head_dim, lay.tp
+def _layer(model: ModelConfig, lay: Layout, cluster: Cluster, features: RunFeatures) -> _Layer:
+    peak, eff = cluster.peak_tflops * 1e12, cluster.eff
+    h, f, gd, tp, cp = model.hidden_size, model.ffn_size, model.kv_heads * model.head_dim, lay.tp, lay.cp
+    q = model.num_attention_heads * model.head_dim
     e = activation_element_bytes(lay.precision)
-    tokens = lay.micro_batch * model.seq_length / lay.cp  # per rank per microbatch
+    tokens = lay.micro_batch * model.seq_length / cp  # per rank per microbatch
     up = f * (2 if model.swiglu else 1)
-    gemms = [  # (forward FLOPs, m, n, k) of one layer for one microbatch on one rank
-        (2 * tokens * h * (h + 2 * gd) / tp, tokens, (h + 2 * gd) / tp, h),
-        (2 * tokens * h * h / tp, tokens, h, h / tp),
-        (2 * tokens * h * up / tp, tokens, up / tp, h),
-        (2 * tokens * f * h / tp, tokens, h, f / tp),
-    ]
-    gemm_fwd = sum(_gemm_time(*g, peak) for g in gemms)
-    core_flops = 4 * tokens * model.seq_length * h / tp  # every query against all keys of the sequence
-    # Ring attention runs CP smaller kernels per layer plus the softmax merges between them.
-    core_fwd = core_flops / (peak * ATTENTION_EFFICIENCY) * (1 + CP_ATTENTION_PENALTY * (lay.cp - 1))
-    recompute_fwd = {None: 0.0, "selective": core_fwd, "full": gemm_fwd + core_fwd}[lay.recompute]
-    layer = (3 * gemm_fwd + 3.5 * core_fwd + recompute_fwd) * (1 + ELEMENTWISE_OVERHEAD)
-    vocab = model.padded_vocab_size(tp)
-    head = 3 * _gemm_time(2 * tokens * h * vocab / tp, tokens, vocab / tp, h, peak) * (1 + ELEMENTWISE_OVERHEAD)
-
-    tp_bytes = tokens * h * e * (tp - 1) / tp
-    tp_collectives = 8 + (4 if lay.recompute == "full" else 0)
-    tp_comm = tp_collectives * tp_bytes / _link(cluster, 1, tp) if tp > 1 else 0.0
-    cp_exposed = 0.0
-    if lay.cp > 1:
+    qkv = _gemm_time(2 * tokens * h * (q + 2 * gd) / tp, min(tokens, (q + 2 * gd) / tp, h), peak, eff.gemm)
+    proj = _gemm_time(2 * tokens * q * h / tp, min(tokens, h, q / tp), peak, eff.gemm)
+    mlp_up = _gemm_time(2 * tokens * h * up / tp, min(tokens, up / tp, h), peak, eff.gemm)
+    mlp_down = _gemm_time(2 * tokens * f * h / tp, min(tokens, h, f / tp), peak, eff.gemm)
+    gemm_fwd = qkv + proj + mlp_up + mlp_down
+    block = model.seq_length / (2 * cp) if cp > 1 else model.seq_length  # CP's load-balanced query/key chunks
+    core_flops = 4 * tokens * model.seq_length * q / tp  # every query against all keys of the sequence
+    core_fwd = core_flops / (peak * eff.attention * block / (block + HALF_DIM))
+    norm_fwd = 2 * 2 * tokens * h * e / (tp if lay.sequence_parallel else 1) / cluster.gpu.hbm_bytes_per_s
+    if lay.recompute == "full":
+        recompute = gemm_fwd + core_fwd
+    elif lay.recompute == "selective":
+        mods = lay.recompute_modules
+        recompute = core_fwd * ("core_attn" in mods) + mlp_up * ("mlp" in mods) + norm_fwd * ("norm" in mods)
+    else:
+        recompute = 0.0
+    total = (3 * gemm_fwd + 3.5 * core_fwd) * (1 + ELEMENTWISE_OVERHEAD) + recompute * (1 + ELEMENTWISE_OVERHEAD)
+    out = _Layer(fwd=(gemm_fwd + core_fwd) * (1 + ELEMENTWISE_OVERHEAD), total=total)
+    if tp > 1:
+        collectives = 8 + (4 if lay.recompute == "full" else 0)
+        if lay.recompute == "selective" and "mlp" in lay.recompute_modules and lay.sequence_parallel:
+            collectives += 1  # the MLP input is all-gathered again
+        tp_comm = collectives * tokens * h * e * (tp - 1) / tp / _link(cluster, 1, tp)
+        # An overlapped TP collective hides behind its GEMM; what is longer than the GEMM shows.
+        out.tp_comm = max(0.0, tp_comm - 3 * gemm_fwd) if features.tp_comm_overlap else tp_comm
+    if cp > 1:
         # Each of the CP - 1 ring steps sends one K, V chunk while computing one block (forward; backward 2x both).
-        step_comm = 2 * tokens * gd / tp * e / _link(cluster, tp, lay.cp)
-        cp_exposed = 3 * (lay.cp - 1) * max(0.0, step_comm - core_fwd / lay.cp)
+        step_comm = 2 * tokens * gd / tp * e / _link(cluster, tp, cp)
+        out.cp_exposed = 3 * (cp - 1) * max(0.0, step_comm - core_fwd / cp)
+    return out
 
-    layers_per_stage = model.num_layers / lay.pp
-    stage = layers_per_stage * (layer + tp_comm + cp_exposed)
-    per_microbatch = stage + (head if lay.pp > 1 else 0.0)  # the last stage also runs the head
-    if lay.pp == 1:
-        per_microbatch = stage + head
-    m, v = lay.num_microbatches, lay.vpp
-    pipeline = per_microbatch * (m + (lay.pp - 1) / v)
-    p2p = 0.0
-    if lay.pp > 1:
-        act_bytes = tokens * h * e / (tp if lay.sequence_parallel else 1)
-        p2p = 2 * v * m * act_bytes / _link(cluster, tp * lay.cp * lay.dp, 2)
 
+def _head_time(model: ModelConfig, lay: Layout, cluster: Cluster) -> float:
+    tokens = lay.micro_batch * model.seq_length / lay.cp
+    vocab = model.padded_vocab_size(lay.tp)
+    flops = 2 * tokens * model.hidden_size * vocab / lay.tp
+    g = _gemm_time(flops, min(tokens, vocab / lay.tp, model.hidden_size), cluster.peak_tflops * 1e12, cluster.eff.gemm)
+    return 3 * g * (1 + ELEMENTWISE_OVERHEAD)
+
+
+def _exposed(transfer: float, window: float, floor: float) -> float:
+    """Time of a transfer not hidden behind ``window`` of compute; ``floor`` (the last bucket) never hides."""
+    return max(floor, transfer - window)
+
+
+def _dp_time(
+    model: ModelConfig, lay: Layout, cluster: Cluster, features: RunFeatures, layer: _Layer, layers: int, per_mb: float
+) -> float:
+    """Exposed seconds of the data-parallel (DP x CP) traffic in one iteration."""
     shard = lay.dp * lay.cp
-    params = stage_params_per_rank(model, lay, 0, int(layers_per_stage))
+    if shard == 1:
+        return 0.0
+    params = stage_params_per_rank(model, lay, 0, layers)
     grad_bytes = 2 if lay.grads_16bit else 4
     param_bytes = 2 if lay.precision != "fp32" else 4
-    dp_exposed = 0.0
-    if shard > 1:
-        link = _link(cluster, tp, shard)
-        frac = (shard - 1) / shard
-        fwd_window, bwd_window = per_microbatch / 3, 2 * per_microbatch / 3
-        rs = frac * params * grad_bytes / link
-        ag = frac * params * param_bytes / link
-        if lay.zero_stage == 0:
-            dp_exposed = _exposed(2 * rs, bwd_window)
-        elif lay.zero_stage == 1:
-            dp_exposed = _exposed(rs, bwd_window) + _exposed(ag, fwd_window)
-        else:  # ZeRO-2 reduces every microbatch's gradients; ZeRO-3 also gathers parameters for each pass
-            dp_exposed = m * _exposed(rs, bwd_window) + _exposed(ag, fwd_window)
-            if lay.zero_stage == 3:
-                dp_exposed += m * (_exposed(ag, fwd_window) + _exposed(ag, bwd_window))
-    opt_shard = shard if lay.zero_stage else 1
-    optimizer = params * OPTIMIZER_BYTES_PER_PARAM / opt_shard / cluster.gpu.hbm_bytes_per_s
+    link = _link(cluster, lay.tp, shard)
+    frac = (shard - 1) / shard
+    rs = frac * params * grad_bytes / link
+    ag = frac * params * param_bytes / link
+    m, n = lay.num_microbatches, max(layers, 1)
+    bwd_window = per_mb * 2 / 3 if features.overlap_grad_reduce else 0.0
+    fwd_window = per_mb / 3 if features.overlap_param_gather else 0.0
+    if lay.zero_stage == 0:
+        return _exposed(2 * rs, bwd_window, 2 * rs / n)
+    if lay.zero_stage == 1:
+        return _exposed(rs, bwd_window, rs / n) + _exposed(ag, fwd_window, ag / n)
+    if lay.zero_stage == 2:
+        return m * _exposed(rs, bwd_window, rs / n) + _exposed(ag, fwd_window, ag / n)
+    # ZeRO-3: per layer, gather (forward), gather + reduce-scatter (backward), the next layer's prefetched.
+    ag_l, rs_l = ag / n, rs / n
+    bwd_compute = layer.total - layer.fwd
+    fwd = ag_l + (n - 1) * max(0.0, ag_l - layer.fwd)
+    bwd = ag_l + rs_l + (n - 1) * max(0.0, ag_l + rs_l - bwd_compute)
+    return m * (fwd + bwd)
 
-    total = pipeline + p2p + dp_exposed + optimizer
-    bubble = per_microbatch * (lay.pp - 1) / v
+
+def step_time(
+    model: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int, features: RunFeatures = RunFeatures()
+) -> tuple[float, dict]:
+    """(seconds per iteration, breakdown in seconds) of ``layout``; ``global_batch`` is implied by the layout."""
+    lay = layout
+    layer = _layer(model, lay, cluster, features)
+    per_layer = layer.total + layer.tp_comm + layer.cp_exposed
+    head = _head_time(model, lay, cluster)
+    counts = stage_layer_counts(model.num_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
+    stage_times = [c * per_layer + (head if i == len(counts) - 1 else 0.0) for i, c in enumerate(counts)]
+    slowest = max(range(len(counts)), key=lambda i: stage_times[i])
+    per_mb = stage_times[slowest]
+    m, v = lay.num_microbatches, lay.vpp
+    bubble = per_mb * (lay.pp - 1) / v
+    p2p = 0.0
+    if lay.pp > 1:
+        act_bytes = lay.micro_batch * model.seq_length / lay.cp * model.hidden_size * activation_element_bytes(lay.precision)
+        act_bytes /= lay.tp if lay.sequence_parallel else 1
+        p2p = 2 * v * m * act_bytes / _link(cluster, lay.tp * lay.cp * lay.dp, 2)
+    layers = counts[slowest]
+    dp = _dp_time(model, lay, cluster, features, layer, max(counts), per_mb)
+    opt_shard = lay.dp * lay.cp if lay.zero_stage else 1
+    params = stage_params_per_rank(model, lay, 0, max(counts))
+    optimizer = params * OPTIMIZER_BYTES_PER_PARAM / opt_shard / cluster.gpu.hbm_bytes_per_s
+    total = per_mb * m + bubble + p2p + dp + optimizer
     breakdown = dict(
-        compute_s=per_microbatch * m - m * layers_per_stage * (tp_comm + cp_exposed),
-        tp_comm_s=m * layers_per_stage * tp_comm,
-        cp_exposed_s=m * layers_per_stage * cp_exposed,
+        compute_s=m * (layers * layer.total + (per_mb - layers * per_layer)),
+        tp_comm_s=m * layers * layer.tp_comm,
+        cp_exposed_s=m * layers * layer.cp_exposed,
         pipeline_bubble_s=bubble,
         p2p_s=p2p,
-        dp_exposed_s=dp_exposed,
+        dp_exposed_s=dp,
         optimizer_s=optimizer,
     )
     return total, breakdown
