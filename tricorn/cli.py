@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "schedule": ("tricorn.parallel.pipeline.cli:main", "print a pipeline schedule grid with its bubble fraction"),
     "estimate": ("tricorn.planning.estimate:main", "per-rank memory estimate for a config"),
     "plan": ("tricorn.planning.planner:main", "rank parallel layouts for a cluster, write sbatch scripts"),
+    "import-hf": ("tricorn.training.hf_convert:import_main", "Hugging Face Llama (safetensors) -> tricorn checkpoint"),
+    "export-hf": ("tricorn.training.hf_convert:export_main", "tricorn checkpoint (any layout) -> Hugging Face Llama"),
     "tb": ("tricorn.training.tb:main", "start TensorBoard on 127.0.0.1 and print the URL"),
 }
 

@@ -43,6 +43,16 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = _f(None, "Longest position (default: --seq-length).")
     position_embedding_type: str = _f("rope", "Position encoding.", choices=["rope", "learned_absolute"])
     rotary_base: float = _f(10000.0, "RoPE base theta.")
+    rotary_angles_dtype: str = _f(
+        "float64",
+        "Precision of the RoPE angle tables (float32: transformers' and Megatron's tables).",
+        choices=["float64", "float32"],
+    )
+    use_rope_scaling: bool = _f(False, "Llama 3.1 RoPE frequency scaling (Hugging Face rope_type 'llama3').")
+    rope_scaling_factor: float = _f(8.0, "Llama 3.1 RoPE scaling: divide low frequencies by this.")
+    rope_scaling_low_freq_factor: float = _f(1.0, "Llama 3.1 RoPE scaling: wavelengths above original/this are scaled.")
+    rope_scaling_high_freq_factor: float = _f(4.0, "Llama 3.1 RoPE scaling: wavelengths below original/this are kept.")
+    rope_scaling_original_max_position_embeddings: int = _f(8192, "Llama 3.1 RoPE scaling: the pre-training context length.")
     normalization: str = _f("RMSNorm", "Norm layer.", choices=["RMSNorm", "LayerNorm"])
     norm_epsilon: float = _f(1e-5, "Epsilon of the norms.")
     swiglu: bool = _f(False, "SwiGLU MLP instead of GeLU.")

@@ -52,6 +52,13 @@ def validate(cfg: Config) -> list[str]:
         errs.append(f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}")
     if m.position_embedding_type == "rope" and m.head_dim % 2 != 0:
         errs.append(f"RoPE needs an even head dimension, got hidden/heads = {m.head_dim}")
+    if m.use_rope_scaling and m.position_embedding_type != "rope":
+        errs.append("--use-rope-scaling needs --position-embedding-type rope")
+    if m.use_rope_scaling and not m.rope_scaling_high_freq_factor > m.rope_scaling_low_freq_factor > 0:
+        errs.append(
+            f"--rope-scaling-high-freq-factor {m.rope_scaling_high_freq_factor} must exceed "
+            f"--rope-scaling-low-freq-factor {m.rope_scaling_low_freq_factor}, and both must be positive"
+        )
     if m.seq_length > m.max_positions:
         errs.append(f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_positions}")
     if p.sequence_parallel and m.seq_length % (tp * cp) != 0:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,13 +34,52 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps).to(x.dtype)
 
 
-class Rotary(nn.Module):
-    """RoPE tables for every position up to max_positions ("rotate half" convention)."""
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's frequency scaling (Hugging Face rope_type "llama3"): wavelengths longer than
+    original / low_freq_factor are stretched by `factor`, shorter than original / high_freq_factor kept,
+    and those in between interpolated smoothly."""
 
-    def __init__(self, head_dim: int, max_positions: int, base: float):
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+def rope_inv_freq(head_dim: int, base: float, dtype: torch.dtype, scaling: Optional[RopeScaling] = None) -> torch.Tensor:
+    """Inverse frequencies in `dtype`, with the same operations (and so, in float32, the same bits) as transformers."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype) / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    old_context = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    """RoPE tables for every position up to max_positions ("rotate half" convention).
+
+    The angles are computed in float64 by default (exact to fp32 rounding at any position); with
+    angles_dtype float32 the tables are transformers' and Megatron's bit for bit, which differ by up
+    to ~1e-4 at position 2048 (README, "Hugging Face import and export").
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        base: float,
+        angles_dtype: torch.dtype = torch.float64,
+        scaling: Optional[RopeScaling] = None,
+    ):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        inv_freq = rope_inv_freq(head_dim, base, angles_dtype, scaling)
+        angles = torch.outer(torch.arange(max_positions, dtype=angles_dtype), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         # Buffers, not parameters: never trained, never checkpointed.
         self.register_buffer("cos", angles.cos().float(), persistent=False)

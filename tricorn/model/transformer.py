@@ -30,7 +30,7 @@ from torch import nn
 
 from tricorn.config import ModelConfig
 from tricorn.model.init import INIT_KEY_ATTR, SHARD_ATTR, ShardInfo, init_weights, shard_info
-from tricorn.model.layers import Rotary
+from tricorn.model.layers import RopeScaling, Rotary
 from tricorn.model.spec import LayerSpec, local_spec
 
 
@@ -101,6 +101,19 @@ class TransformerBlock(nn.Module):
         return x + self._dropout(self.mlp(self.mlp_norm(x)))
 
 
+def rotary_of(cfg: ModelConfig) -> Rotary:
+    scaling = None
+    if cfg.use_rope_scaling:
+        scaling = RopeScaling(
+            cfg.rope_scaling_factor,
+            cfg.rope_scaling_low_freq_factor,
+            cfg.rope_scaling_high_freq_factor,
+            cfg.rope_scaling_original_max_position_embeddings,
+        )
+    angles_dtype = torch.float32 if cfg.rotary_angles_dtype == "float32" else torch.float64
+    return Rotary(cfg.head_dim, cfg.max_positions, cfg.rotary_base, angles_dtype, scaling)
+
+
 class GPTModel(nn.Module):
     """One pipeline stage (or the whole model) of the decoder.
 
@@ -133,7 +146,7 @@ class GPTModel(nn.Module):
         ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         # Keys are global layer indices so parameter names do not depend on the pipeline split.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, spec) for i in ids})
-        self.rotary = Rotary(cfg.head_dim, cfg.max_positions, cfg.rotary_base) if not learned else None
+        self.rotary = None if learned else rotary_of(cfg)
         if post_process:
             self.norm = spec.norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon)
             # A tied head on a stage without the embedding keeps its own copy, initialised

@@ -302,10 +302,14 @@ class Checkpointer:
         if path is None:
             return 0
         meta, md = io.verify_checkpoint(path, self.cfg.model)
-        load_optim = not (c.no_load_optim or c.finetune)
+        # A weights-only checkpoint (`tricorn import-hf`) has no optimizer state, data position or RNG states:
+        # like Megatron's converted "release" checkpoints it always starts training at iteration 0.
+        weights_only = bool(meta.get("weights_only"))
+        load_optim = not (c.no_load_optim or c.finetune or weights_only)
         self._load_tensors(trainer, path, md, load_optim, meta)
-        if c.finetune:
-            self.console(f"checkpoint: --finetune: weights of iteration {meta['iteration']}, training starts at iteration 0")
+        if c.finetune or weights_only:
+            why = f"weights-only checkpoint from {meta.get('source', 'an import')}" if weights_only else "--finetune"
+            self.console(f"checkpoint: {why}: weights of iteration {meta['iteration']}, training starts at iteration 0")
             return 0
         self._load_progress(trainer, meta, load_optim)
         self._load_rng(path, meta)

@@ -1,0 +1,119 @@
+"""Benchmark: `tricorn import-hf` / `export-hf` throughput beside a plain safetensors save and load.
+
+One process writes a random Llama-shaped model as a Hugging Face directory (config.json + one
+safetensors file), then, for `--rounds` rounds, times
+
+- plain:  safetensors `save_file` of the same tensors (fsync'ed), then `load_file` of it into memory;
+- import: HF directory -> tricorn checkpoint (safetensors read, QKV/gate-up fusing, DCP write, fsync'ed);
+- export: tricorn checkpoint -> HF directory (DCP read one tensor at a time, splitting, safetensors shards, fsync'ed).
+
+It prints GB/s of each (model bytes / seconds, median over rounds) and the ratios import/plain and
+export/plain, where plain is the save + load time: both conversions read every byte once and write
+it once, like the plain save + load. Files are in the page cache after the first round on most
+machines, so this measures the conversion's own cost more than the disk.
+
+Not a test: CI never times anything. The directory (default ./bench_hf_tmp) is deleted afterwards.
+
+    .venv/bin/python bench/hf_convert.py [--layers 8] [--hidden 1024] [--ffn 2816] [--vocab 32000] [--bf16] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tricorn.config import ModelConfig
+from tricorn.training.hf_convert import export_hf, fsync_file, import_hf
+from tricorn.training.hf_mapping import expected_shape, hf_config_from_model, tensor_map
+
+
+def hf_tensors(m: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    names = [p for mapped in tensor_map(m) for p in mapped.parts]
+    return {n: torch.randn(expected_shape(n, m), generator=gen).to(dtype) for n in names}
+
+
+def plain_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save, made durable like the conversions' writes (they fsync before renaming)."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    fsync_file(path)
+
+
+def plain_load(path: Path) -> dict[str, torch.Tensor]:
+    """safetensors' load into memory (load_file maps the file; the copy reads every byte, as a load must)."""
+    return {k: v.clone() for k, v in load_file(str(path)).items()}
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--ffn", type=int, default=2816)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=Path("bench_hf_tmp"))
+    args = ap.parse_args()
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    m = ModelConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn,
+        num_attention_heads=args.heads,
+        num_query_groups=args.kv_heads,
+        group_query_attention=args.kv_heads != args.heads,
+        swiglu=True,
+        disable_bias_linear=True,
+        untie_embeddings_and_output_weights=True,
+        vocab_size=args.vocab,
+    )
+    root = args.dir
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "hf").mkdir(parents=True)
+    tensors = hf_tensors(m, dtype)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    save_file(tensors, str(root / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    (root / "hf" / "config.json").write_text(json.dumps(hf_config_from_model(m, dtype)))
+    quiet = lambda _: None  # noqa: E731
+    plain, ckpt, out = root / "plain.safetensors", root / "ckpt", root / "out"
+    times: dict[str, list[float]] = {"plain save": [], "plain load": [], "import": [], "export": []}
+    try:
+        for _ in range(args.rounds):
+            times["plain save"].append(timed(lambda: plain_save(tensors, plain)))
+            times["plain load"].append(timed(lambda: plain_load(plain)))
+            plain.unlink()
+            times["import"].append(timed(lambda: import_hf(root / "hf", ckpt, console=quiet)))
+            times["export"].append(timed(lambda: export_hf(ckpt, out, console=quiet)))
+            shutil.rmtree(ckpt)
+            shutil.rmtree(out)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    print(
+        f"model: {len(tensors)} tensors, {nbytes / 1e9:.2f} GB ({'bf16' if args.bf16 else 'fp32'}), median of {args.rounds} rounds"
+    )
+    for k, s in median.items():
+        print(f"  {k:<11} {nbytes / s / 1e9:7.2f} GB/s  ({s:.2f} s)")
+    plain_copy = median["plain save"] + median["plain load"]
+    print(f"  plain save+load {nbytes / plain_copy / 1e9:.2f} GB/s")
+    for k in ("import", "export"):
+        print(f"ratio {k} / plain save+load throughput: {plain_copy / median[k]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,424 @@
+"""Hugging Face Llama <-> tricorn checkpoints: `tricorn import-hf` and `tricorn export-hf`.
+
+import-hf reads a LlamaForCausalLM directory (config.json plus one or many
+*.safetensors files; Llama 2, 3 and 3.1 with rope_scaling "llama3", tied or
+untied, any float dtype) and writes a weights-only tricorn checkpoint,
+`SAVE/iter_0000000`, with every tensor under its global name and shape, so it
+loads at any TP/PP/DP layout through `--load`. Training from it starts at
+iteration 0 with fresh optimizer state (Megatron's "release" checkpoints).
+export-hf reads a checkpoint of any layout and writes safetensors shards with
+their index, config.json and, when given, the tokenizer files.
+
+The mapping of configs and tensors (exact, so a round trip is bit-exact) is
+in hf_mapping.py.
+
+Memory: both directions stream, one tensor at a time. The import writes through
+DCP with a planner that builds each tricorn tensor when the writer asks for it;
+the export reads one tensor from DCP at a time and holds at most one output
+shard (--max-shard-size) plus that tensor. No process group, no collectives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from tricorn.config import Config, ModelConfig, dump_yaml
+from tricorn.training import checkpoint_io as io
+from tricorn.training.hf_mapping import (
+    ConvertError,
+    Mapped,
+    expected_shape,
+    fuse,
+    fused_shape,
+    hf_config_from_model,
+    model_config_from_hf,
+    model_flags,
+    split,
+    tensor_map,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+INDEX_FILE = "model.safetensors.index.json"
+
+
+# ---------------------------------------------------------------- import
+
+
+def read_hf_config(hf_dir: Path) -> dict:
+    path = hf_dir / "config.json"
+    if not hf_dir.is_dir():
+        raise ConvertError(f"--input {hf_dir} is not a directory; pass a Hugging Face model directory")
+    if not path.is_file():
+        raise ConvertError(f"{path} is missing; --input must be a Hugging Face model directory with config.json")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ConvertError(f"{path} is not valid JSON ({e})") from None
+
+
+@contextlib.contextmanager
+def open_safetensors(hf_dir: Path) -> Iterator[dict[str, Any]]:
+    """Hugging Face tensor name -> the open safetensors file holding it (headers only are read here)."""
+    from safetensors import safe_open
+
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ConvertError(f"no *.safetensors files in {hf_dir}; import-hf reads safetensors checkpoints only")
+    with contextlib.ExitStack() as stack:
+        where: dict[str, Any] = {}
+        for path in files:
+            try:
+                handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError for damaged headers
+                raise ConvertError(f"{path} cannot be read as safetensors ({e})") from None
+            where.update({k: handle for k in handle.keys()})
+        yield where
+
+
+def _check_tensors(where: dict[str, Any], plan: list[Mapped], m: ModelConfig, hf_dir: Path) -> dict[str, torch.dtype]:
+    """Every expected tensor is present with its shape and a float dtype; returns each tricorn tensor's dtype."""
+    wanted = {p for mapped in plan for p in mapped.parts}
+    dtypes: dict[str, torch.dtype] = {}
+    for mapped in plan:
+        kinds = set()
+        for part in mapped.parts:
+            if part not in where:
+                raise ConvertError(f"{hf_dir}: tensor {part!r} is missing from the safetensors files (config.json expects it)")
+            info = where[part].get_slice(part)
+            shape, dtype = tuple(info.get_shape()), info.get_dtype()
+            if shape != expected_shape(part, m):
+                raise ConvertError(f"{hf_dir}: tensor {part!r} has shape {shape}, config.json implies {expected_shape(part, m)}")
+            if dtype not in _SAFETENSORS_DTYPES:
+                raise ConvertError(f"{hf_dir}: tensor {part!r} has dtype {dtype}; import-hf reads F32, BF16 and F16")
+            kinds.add(dtype)
+        if len(kinds) > 1:
+            raise ConvertError(f"{hf_dir}: tensors {', '.join(mapped.parts)} have different dtypes {sorted(kinds)}")
+        dtypes[mapped.name] = _SAFETENSORS_DTYPES[kinds.pop()]
+    ignorable = ("rotary_emb.inv_freq",) + (() if m.untie_embeddings_and_output_weights else ("lm_head.weight",))
+    extra = sorted(k for k in where if k not in wanted and not k.endswith(ignorable))
+    if extra:
+        raise ConvertError(f"{hf_dir}: unexpected tensor {extra[0]!r} ({len(extra)} in all); config.json does not describe it")
+    return dtypes
+
+
+class LazySavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, except that each tensor is built (by `build(name)`) only when DCP writes it:
+    the state dict DCP plans from holds meta tensors, so only the tensor being written is ever in memory."""
+
+    def __init__(self, build: Callable[[str], torch.Tensor]):
+        super().__init__()
+        self.build = build
+
+    def resolve_data(self, write_item):
+        return self.build(write_item.index.fqn)
+
+
+def import_hf(hf_dir: Path, save: Path, console=print) -> Path:
+    """Write HF_DIR's Llama as SAVE/iter_0000000 (weights only); returns the checkpoint directory."""
+    import torch.distributed.checkpoint as dcp
+
+    hf_dir, save = Path(hf_dir), Path(save)
+    m = model_config_from_hf(read_hf_config(hf_dir), str(hf_dir / "config.json"))
+    if io.complete_checkpoints(save) or (save / io.LATEST_FILE).exists():
+        raise ConvertError(f"--save {save} already holds checkpoints; import into a new directory")
+    plan = tensor_map(m)
+    start = time.perf_counter()
+    with open_safetensors(hf_dir) as where:
+        dtypes = _check_tensors(where, plan, m, hf_dir)
+        by_key = {f"model.{mp.name}": mp for mp in plan}
+
+        def build(key: str) -> torch.Tensor:
+            mp = by_key[key]
+            return fuse(mp.kind, [where[p].get_tensor(p) for p in mp.parts], m)
+
+        # Meta tensors describe names, shapes and dtypes for DCP's plan; the data comes from build().
+        state = {k: torch.empty(fused_shape(mp, m), dtype=dtypes[mp.name], device="meta") for k, mp in by_key.items()}
+        save.mkdir(parents=True, exist_ok=True)
+        io.remove_stale_tmp(save)
+        tmp = io.tmp_dir(save, 0, f"import{os.getpid()}")
+        tmp.mkdir()
+        with _quiet_no_dist():
+            dcp.save(state, storage_writer=io.Writer(tmp, 0, 0), planner=LazySavePlanner(build), no_dist=True)
+    params_dtype = {v: k for k, v in DTYPES.items()}[dtypes["tok_embeddings.weight"]]
+    io.atomic_write_text(tmp / io.META_FILE, json.dumps(_weights_only_meta(params_dtype, hf_dir), indent=1))
+    io.atomic_write_text(tmp / io.CONFIG_FILE, dump_yaml(Config(model=m)))
+    io.fsync_dir(tmp)
+    final = save / io.iter_name(0)
+    os.replace(tmp, final)
+    io.fsync_dir(save)
+    io.atomic_write_text(save / io.LATEST_FILE, "0\n")
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    seconds = time.perf_counter() - start
+    console(f"imported {len(state)} tensors ({nbytes / 1e9:.2f} GB, {params_dtype}) from {hf_dir} into {final} in {seconds:.1f}s")
+    console(f"train from it with: --load {save} {' '.join(model_flags(m))} (and --seq-length up to {m.max_positions})")
+    return final
+
+
+def _weights_only_meta(params_dtype: str, source: Path) -> dict:
+    layout = dict(tp=1, pp=1, vpp=1, cp=1, dp=1, world=1, distributed_optimizer=False, zero_stage=1, params_dtype=params_dtype)
+    return {
+        "format_version": io.FORMAT_VERSION,
+        "iteration": 0,
+        "consumed_train_samples": 0,
+        "consumed_valid_samples": 0,
+        "optimizer_step": 0.0,
+        "optimizer_iteration": 0,
+        "loss_scaler": None,
+        "lr": 0.0,
+        "layout": layout,
+        "saved_at": time.time(),
+        # No optimizer state, data position or RNG: a load starts training at iteration 0 (checkpoint.py).
+        "weights_only": True,
+        "source": f"huggingface:{source.resolve()}",
+    }
+
+
+@contextlib.contextmanager
+def _quiet_no_dist() -> Iterator[None]:
+    import warnings
+
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+# ---------------------------------------------------------------- export
+
+
+def find_checkpoint_dir(load: Path, ckpt_step: Optional[int]) -> Path:
+    """An iter_N directory given directly, or the latest (or --ckpt-step) one under a save directory."""
+    if io.is_complete(load):
+        return load
+    path, _ = io.find_checkpoint(load, ckpt_step)
+    if path is None:
+        raise ConvertError(f"--load {load} holds no checkpoint; pass a --save directory or one of its iter_N directories")
+    return path
+
+
+def read_model_config(ckpt: Path) -> ModelConfig:
+    import yaml
+
+    path = ckpt / io.CONFIG_FILE
+    try:
+        saved = (yaml.safe_load(path.read_text()) or {}).get("model", {})
+    except (OSError, yaml.YAMLError, AttributeError) as e:
+        raise io.CheckpointError(f"checkpoint damaged: {path} cannot be read ({e})") from None
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in saved.items() if k in known})
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB' or a byte count."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    upper = text.strip().upper()
+    for unit, scale in units.items():
+        if upper.endswith(unit) and upper[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(upper[: -len(unit)]) * scale)
+    if upper.isdigit():
+        return int(upper)
+    raise ConvertError(f"--max-shard-size {text!r} is not a size; write e.g. 5GB, 500MB or a byte count")
+
+
+@dataclass
+class _Source:
+    mapped: Mapped
+    key: str  # the checkpoint tensor read
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # as stored
+
+    def out_bytes(self, dtype: torch.dtype) -> int:
+        return int(torch.Size(self.shape).numel()) * dtype.itemsize
+
+
+def _sources(ckpt: Path, md, m: ModelConfig, dtype: Optional[torch.dtype]) -> tuple[list[_Source], torch.dtype]:
+    """What to read for each tensor, and the export dtype (default: the parameters' dtype)."""
+    entries = md.state_dict_metadata
+    out: list[_Source] = []
+    for mp in tensor_map(m):
+        key = f"model.{mp.name}"
+        entry = entries.get(key)
+        if entry is None or not hasattr(entry, "size"):
+            raise io.CheckpointError(f"checkpoint {ckpt} lacks tensor {key!r}; its config.yaml describes another model")
+        if tuple(entry.size) != fused_shape(mp, m):
+            raise io.CheckpointError(
+                f"checkpoint tensor {key!r} has shape {tuple(entry.size)}, config.yaml implies {fused_shape(mp, m)}"
+            )
+        master = entries.get(f"optim.{mp.name}.master")
+        # fp32 export of a mixed-precision run: the exact fp32 master weights, not the rounded parameters.
+        if dtype == torch.float32 and master is not None:
+            key, entry = f"optim.{mp.name}.master", master
+        out.append(_Source(mp, key, tuple(entry.size), entry.properties.dtype))
+    param_dtype = entries[f"model.{out[0].mapped.name}"].properties.dtype
+    return out, dtype or param_dtype
+
+
+def _shard(sources: list[_Source], dtype: torch.dtype, max_bytes: int) -> list[list[_Source]]:
+    """Consecutive tensors into shards of at most max_bytes (a bigger single tensor gets a shard of its own)."""
+    shards: list[list[_Source]] = [[]]
+    size = 0
+    for src in sources:
+        nbytes = src.out_bytes(dtype)
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(src)
+        size += nbytes
+    return shards
+
+
+def _read_one(ckpt: Path, src: _Source) -> torch.Tensor:
+    buf = torch.empty(src.shape, dtype=src.dtype)
+    io.dcp_load({src.key: buf}, ckpt, no_dist=True)
+    return buf
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _tokenizer_files(tokenizer: Path) -> list[Path]:
+    if tokenizer.is_file():
+        return [tokenizer]
+    found = [tokenizer / n for n in TOKENIZER_FILES if (tokenizer / n).is_file()]
+    if not found:
+        raise ConvertError(f"--tokenizer {tokenizer} holds none of {', '.join(TOKENIZER_FILES)}")
+    return found
+
+
+def _special_token_ids(files: list[Path]) -> dict:
+    """bos/eos/pad ids for config.json from a generation_config.json among the tokenizer files."""
+    gen = next((f for f in files if f.name == "generation_config.json"), None)
+    if gen is None:
+        return {}
+    try:
+        data = json.loads(gen.read_text())
+    except ValueError as e:
+        raise ConvertError(f"{gen} is not valid JSON ({e})") from None
+    return {k: data[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in data}
+
+
+def export_hf(
+    load: Path,
+    output: Path,
+    ckpt_step: Optional[int] = None,
+    dtype: Optional[torch.dtype] = None,
+    tokenizer: Optional[Path] = None,
+    max_shard_bytes: int = 5 * 10**9,
+    console=print,
+) -> Path:
+    """Write checkpoint `load` (any layout) as a LlamaForCausalLM directory `output`, streaming one tensor at a time."""
+    from safetensors.torch import save_file
+
+    load, output = Path(load), Path(output)
+    ckpt = find_checkpoint_dir(load, ckpt_step)
+    meta = io.read_meta(ckpt)
+    m = read_model_config(ckpt)
+    md = io.read_dcp_metadata(ckpt)
+    io.check_files(ckpt, md)
+    sources, out_dtype = _sources(ckpt, md, m, dtype)
+    token_files = _tokenizer_files(Path(tokenizer)) if tokenizer else []
+    config = hf_config_from_model(m, out_dtype, _special_token_ids(token_files))
+    if output.exists() and any(output.iterdir()):
+        raise ConvertError(f"--output {output} exists and is not empty; remove it or pick a new directory")
+    start = time.perf_counter()
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards = _shard(sources, out_dtype, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        for src in shard:  # one checkpoint tensor in memory besides the shard being assembled
+            parts = split(src.mapped.kind, _read_one(ckpt, src).to(out_dtype), m)
+            tensors.update(zip(src.mapped.parts, parts))
+        save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+        fsync_file(tmp / name)  # durable before the directory is renamed into place, like a checkpoint
+        weight_map.update(dict.fromkeys(tensors, name))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    io.atomic_write_text(tmp / INDEX_FILE, json.dumps(index, indent=2))
+    io.atomic_write_text(tmp / "config.json", json.dumps(config, indent=2))
+    for f in token_files:
+        shutil.copyfile(f, tmp / f.name)
+    io.fsync_dir(tmp)
+    if output.exists():
+        output.rmdir()
+    os.replace(tmp, output)
+    seconds = time.perf_counter() - start
+    console(
+        f"exported {len(weight_map)} tensors ({total / 1e9:.2f} GB, {config['torch_dtype']}) of {ckpt} "
+        f"(iteration {meta['iteration']}) to {output} in {len(shards)} shard(s), {seconds:.1f}s"
+    )
+    return output
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _run(fn, *args, **kwargs) -> int:
+    try:
+        fn(*args, **kwargs)
+    except (ConvertError, io.CheckpointError) as e:
+        print(f"tricorn: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def import_main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tricorn import-hf", description="Hugging Face LlamaForCausalLM (safetensors) -> tricorn checkpoint."
+    )
+    parser.add_argument("--input", required=True, type=Path, help="Hugging Face model directory (config.json, *.safetensors).")
+    parser.add_argument("--save", required=True, type=Path, help="New checkpoint directory; train with --load on it.")
+    args = parser.parse_args(argv)
+    return _run(import_hf, args.input, args.save)
+
+
+def export_main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tricorn export-hf", description="tricorn checkpoint (any layout) -> Hugging Face LlamaForCausalLM (safetensors)."
+    )
+    parser.add_argument(
+        "--load", required=True, type=Path, help="A --save directory (its latest checkpoint) or an iter_N directory."
+    )
+    parser.add_argument("--output", required=True, type=Path, help="New Hugging Face model directory.")
+    parser.add_argument("--ckpt-step", type=int, help="Export iteration N instead of the latest.")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), help="Tensor dtype (default: the parameters'; fp32 uses master weights)."
+    )
+    parser.add_argument("--tokenizer", type=Path, help="Directory of Hugging Face tokenizer files (or one file) to copy.")
+    parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors shard (default 5GB, like save_pretrained).")
+    args = parser.parse_args(argv)
+    try:
+        max_bytes = parse_size(args.max_shard_size)
+    except ConvertError as e:
+        print(f"tricorn: error: {e}", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    return _run(export_hf, args.load, args.output, args.ckpt_step, dtype, args.tokenizer, max_bytes)
