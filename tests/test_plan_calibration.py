@@ -137,7 +137,7 @@ def test_uneven_pipeline_split_and_new_dimensions_reach_the_flags() -> None:
     assert (p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers) == (7, 7)
     assert cfg.training.micro_batch_size == 3 and cfg.model.recompute_modules == ["mlp", "norm"]
     assert Layout.from_config(cfg).first_stage_layers == 7
-    from tricorn.config import validate
+    from tricorn.validation import validate
 
     assert validate(cfg) == []
     # The slowest stage sets the pace: 9 layers on the first stage is slower than 7 / 8 / 8 / 7.
