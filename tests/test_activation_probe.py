@@ -84,7 +84,7 @@ def test_full_recompute_keeps_only_the_layer_input(s: int, h: int) -> None:
     [(["core_attn"], 0.0), (["core_attn"], 0.1), (["mlp"], 0.0), (["norm"], 0.0), (["core_attn", "mlp", "norm"], 0.1)],
 )
 def test_selective_saves_what_the_formula_says(modules: list[str], dropout: float) -> None:
-    """attention dropout > 0 takes torch's math SDPA on CPU: there core_attn drops the s x s tensors."""
+    """attention dropout > 0 runs explicit attention (model/dropout.py): there core_attn drops the s x s tensors."""
     cfg = _config(64, 64, attention_dropout=dropout)
     none = _measure(_config(64, 64, attention_dropout=dropout)).summary().activation_bytes_per_layer
     selective = _measure(cfg, dict(recompute_granularity="selective", recompute_modules=modules)).summary()
@@ -121,15 +121,14 @@ RECOMPUTE_VARIANTS = [
 @pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
 @pytest.mark.parametrize(
     "precision, hidden_dropout, attention_dropout",
-    [("fp32", 0.0, 0.0), ("fp32", 0.1, 0.1), ("bf16", 0.0, 0.0), ("bf16", 0.1, 0.0)],
+    [("fp32", 0.0, 0.0), ("fp32", 0.1, 0.1), ("bf16", 0.0, 0.0), ("bf16", 0.1, 0.0), ("bf16", 0.1, 0.1)],
 )
 def test_probe_equals_the_formula_to_the_byte(
     normalization: str, precision: str, hidden_dropout: float, attention_dropout: float
 ) -> None:
-    """Every recompute variant, LayerNorm's statistics, CPU dropout masks and (fp32, attention dropout) the math
-    SDPA path. Not bf16 with attention dropout: there torch's math SDPA keeps fp32 copies the formula does not
-    count (planning/activations.py's docstring). Full recompute: the chunk's first checkpoint also keeps the
-    int64 position ids."""
+    """Every recompute variant, LayerNorm's statistics, the bool dropout masks and, with attention dropout, the
+    explicit attention of model/dropout.py (fp32 and bf16). Full recompute: the chunk's first checkpoint also
+    keeps the int64 position ids."""
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     s = 64
     for recompute, modules in RECOMPUTE_VARIANTS:
@@ -208,7 +207,7 @@ def _tp_worker() -> None:
             cfg.parallel.sequence_parallel = sp
             recompute = "selective" if modules else None
             cfg.model.recompute_granularity, cfg.model.recompute_modules = recompute, modules
-            model = GPTModel(cfg.model, tensor_parallel_spec(cfg, dist.group.WORLD, tracker), padded_vocab_size=256)
+            model = GPTModel(cfg.model, tensor_parallel_spec(cfg, dist.group.WORLD), padded_vocab_size=256)
             model.init_weights(1)
             apply_recompute([model], cfg.model, tracker)
             tokens = torch.randint(0, 100, (B, 64), generator=torch.Generator().manual_seed(0))

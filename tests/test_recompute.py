@@ -18,7 +18,6 @@ from tricorn.config import ModelConfig, config_from_args
 from tricorn.model.spec import LayerSpec
 from tricorn.model.transformer import GPTModel
 from tricorn.parallel.recompute import RecomputePlan, apply_recompute
-from tricorn.parallel.tensor import RNGTracker
 from tricorn.planning.activations import layer_activation_bytes
 from tricorn.training.activation_probe import ActivationProbe
 from tricorn.validation import validate
@@ -86,11 +85,11 @@ def test_groups_of_the_plan() -> None:
     assert RecomputePlan("selective").full_groups(ids) == []
 
 
-# ---------------------------------------------------------------- in process: RNG tracker and block method
+# ---------------------------------------------------------------- in process: dropout and block method
 
 
-def _dropout_model(recompute: dict, replay_tracker: bool = True) -> tuple[float, torch.Tensor]:
-    """Loss and flat gradient of a 3-layer model whose dropout draws from an RNG tracker stream (as TP/SP do)."""
+def _dropout_model(recompute: dict, rng_draws_before: int = 0, seed: int = 0) -> tuple[float, torch.Tensor]:
+    """Loss and flat gradient of a 3-layer model with hidden and attention dropout 0.2."""
     cfg = ModelConfig(
         num_layers=3,
         hidden_size=32,
@@ -103,14 +102,12 @@ def _dropout_model(recompute: dict, replay_tracker: bool = True) -> tuple[float,
     for key, value in recompute.items():
         setattr(cfg, key, value)
     torch.manual_seed(0)
-    tracker = RNGTracker(torch.device("cpu"))
-    tracker.add(RNGTracker.TP, 77)
-    spec = LayerSpec(tp_rng=lambda: tracker.fork(), sequence_rng=lambda: tracker.fork())
-    model = GPTModel(cfg, spec, padded_vocab_size=64)
+    model = GPTModel(cfg, LayerSpec(dropout_seed=seed), padded_vocab_size=64)
     model.init_weights(1)
-    apply_recompute([model], cfg, tracker if replay_tracker else None)
+    apply_recompute([model], cfg)
     tokens = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
-    loss = model(tokens, tokens).mean()
+    torch.rand(rng_draws_before)  # consumes the default stream: dropout must not care
+    loss = model(tokens, tokens, sample_ids=(40, 41)).mean()
     loss.backward()
     return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
@@ -128,17 +125,20 @@ FULL_UNIFORM = dict(recompute_granularity="full", recompute_method="uniform", re
         dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "norm"]),
     ],
 )
-def test_tracker_dropout_is_replayed_bitwise(recompute: dict) -> None:
+def test_dropout_is_redrawn_bitwise(recompute: dict) -> None:
+    """The recomputed forward draws the same masks (they are keyed by sample, layer and position)."""
     loss, grads = _dropout_model({})
     loss_r, grads_r = _dropout_model(recompute)
     assert loss_r == loss and torch.equal(grads_r, grads)
 
 
-def test_without_tracker_replay_the_masks_differ() -> None:
-    """The control: a recomputation that does not restore the tracker's stream draws other dropout masks."""
-    _, grads = _dropout_model({})
-    _, grads_r = _dropout_model(FULL_UNIFORM, replay_tracker=False)
-    assert not torch.equal(grads_r, grads)
+def test_dropout_masks_depend_on_keys_not_on_rng_state() -> None:
+    """The control: the default RNG stream's position changes nothing; the run seed changes the masks."""
+    _, grads = _dropout_model(FULL_UNIFORM)
+    _, grads_consumed = _dropout_model(FULL_UNIFORM, rng_draws_before=1000)
+    _, grads_other_seed = _dropout_model(FULL_UNIFORM, seed=1)
+    assert torch.equal(grads_consumed, grads)
+    assert not torch.equal(grads_other_seed, grads)
 
 
 def test_block_method_checkpoints_the_first_layers_only() -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from tricorn.config import config_from_args
 from tricorn.model import GPTModel
-from tricorn.parallel.tensor import seed_everything, tensor_parallel_spec
+from tricorn.parallel.tensor import tensor_parallel_spec
 from tricorn.validation import validate
 
 FLAGS = "--device cpu --mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 --vocab-size 100 --swiglu".split()
@@ -74,10 +74,10 @@ def test_te_spec_keeps_names_values_and_outputs(fake_te):
 
     cfg = config_from_args(FLAGS + ["--bf16", "--fp8-format", "hybrid"], world_size=1)
     group = dist.group.WORLD
-    local = GPTModel(cfg.model, tensor_parallel_spec(cfg, group, seed_everything(1, 0, 0, torch.device("cpu"))))
+    local = GPTModel(cfg.model, tensor_parallel_spec(cfg, group))
     te_model = GPTModel(
         cfg.model,
-        te_spec(tensor_parallel_spec(cfg, group, seed_everything(1, 0, 0, torch.device("cpu"))), cfg, group, torch.device("cpu")),
+        te_spec(tensor_parallel_spec(cfg, group), cfg, group, torch.device("cpu")),
     )
     local.init_weights(7)
     te_model.init_weights(7)

@@ -10,7 +10,7 @@ No collectives; memory: one global batch slice at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 
@@ -20,22 +20,27 @@ class Batch:
     tokens: torch.Tensor  # [b, s] int64 inputs
     labels: torch.Tensor  # [b, s] int64 next tokens
     loss_mask: torch.Tensor  # [b, s] float32, 0 drops a position from the loss
+    # Global index of each row in the sample order (host ints: dropout masks are drawn by them, and
+    # reading them never touches the device). None for batches that were not cut from a sample order.
+    sample_ids: Optional[tuple[int, ...]] = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def slice(self, start: int, stop: int) -> Batch:
-        return Batch(self.tokens[start:stop], self.labels[start:stop], self.loss_mask[start:stop])
+        ids = None if self.sample_ids is None else self.sample_ids[start:stop]
+        return Batch(self.tokens[start:stop], self.labels[start:stop], self.loss_mask[start:stop], ids)
 
     def to(self, device: torch.device | str, copy: bool = False) -> Batch:
         """On `device`; with copy=True always fresh storage (a microbatch then never keeps its batch alive)."""
-        return Batch(*(t.to(device, copy=copy) for t in (self.tokens, self.labels, self.loss_mask)))
+        return Batch(*(t.to(device, copy=copy) for t in (self.tokens, self.labels, self.loss_mask)), self.sample_ids)
 
 
-def batch_from_samples(samples: torch.Tensor) -> Batch:
+def batch_from_samples(samples: torch.Tensor, sample_ids: Optional[tuple[int, ...]] = None) -> Batch:
     """[b, s+1] token samples -> inputs/labels shifted by one, every position counted."""
     samples = samples.long()
-    return Batch(samples[:, :-1].contiguous(), samples[:, 1:].contiguous(), torch.ones(samples.shape[0], samples.shape[1] - 1))
+    ones = torch.ones(samples.shape[0], samples.shape[1] - 1)
+    return Batch(samples[:, :-1].contiguous(), samples[:, 1:].contiguous(), ones, sample_ids)
 
 
 class SampleSource(Protocol):
@@ -65,7 +70,7 @@ class GlobalBatchLoader:
         start = self.consumed_samples + self.dp_rank * per_rank
         samples = torch.stack([torch.as_tensor(self.source[(start + i) % len(self.source)]) for i in range(per_rank)])
         self.consumed_samples += global_batch_size
-        return batch_from_samples(samples)
+        return batch_from_samples(samples, tuple(range(start, start + per_rank)))
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples}

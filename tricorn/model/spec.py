@@ -17,17 +17,18 @@ Contract every implementation keeps (shapes are [batch, seq, features]):
   tied=True the forward receives the embedding weight.
 - cross_entropy(logits, labels, vocab_size) -> per-token fp32 loss, where
   logit columns at or beyond vocab_size (padding) never count.
-- core_attention(q, k, v, dropout_p): [b, heads, s, d] causal attention.
-- norm(dim): a norm module; rng contexts fork dropout where ranks must differ.
+- core_attention(q, k, v, dropout): [b, heads, s, d] causal attention; `dropout` is None or the
+  layer's AttentionDropout (dropout.py: masks drawn by global sample, head and position).
+- norm(dim): a norm module.
+- dropout_seed, tp_rank, sequence_shard_rank: what dropout.py needs to draw the same mask as one
+  process would: the run seed, where this rank's heads start, which sequence shard it holds.
 
 No collectives here; memory effect: none.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
-from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tricorn.model.dropout import AttentionDropout, attention_with_dropout
 from tricorn.model.layers import LayerNorm, RMSNorm
 
 
@@ -66,13 +68,14 @@ def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size:
     return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape)
 
 
-def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Causal attention through torch's fused kernel (flash on GPU); GQA without copying k/v."""
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: Optional[AttentionDropout]) -> torch.Tensor:
+    """Causal attention through torch's fused kernel (flash on GPU); GQA without copying k/v.
 
-
-def _null() -> ContextManager:
-    return contextlib.nullcontext()
+    With attention dropout the explicit form runs instead: SDPA would draw its own, layout-dependent mask."""
+    if dropout is not None:
+        pos = torch.arange(q.shape[2], device=q.device)
+        return attention_with_dropout(q, k, v, dropout, pos, pos)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 @dataclass
@@ -85,9 +88,11 @@ class LayerSpec:
     cross_entropy: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = masked_cross_entropy
     core_attention: Callable[..., torch.Tensor] = sdpa_causal
     norm: Callable[[int, str, float], nn.Module] = field(default=None)  # type: ignore[assignment]
-    # Dropout inside the TP region (attention probs) and on sequence shards must differ per rank.
-    tp_rng: Callable[[], ContextManager] = _null
-    sequence_rng: Callable[[], ContextManager] = _null
+    # Layout-independent dropout (dropout.py): the run seed, this rank's TP rank (its heads start at
+    # tp_rank x local heads) and which of the `sequence_shards` sequence pieces it holds.
+    dropout_seed: int = 0
+    tp_rank: int = 0
+    sequence_shard_rank: int = 0
     # Position offset of this rank's sequence chunk (context parallel); a function of seq length.
     position_ids: Optional[Callable[[int, torch.device], torch.Tensor]] = None
     # Ranks that split the sequence of the hidden states between blocks (TP under sequence parallelism):

@@ -29,15 +29,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from tricorn.config import ModelConfig
+from tricorn.model.dropout import (
+    ATTENTION_OUTPUT,
+    ATTENTION_PROBS,
+    MLP_OUTPUT,
+    AttentionDropout,
+    DropoutKey,
+    hidden_dropout,
+    sample_ids_or_default,
+)
 from tricorn.model.init import INIT_KEY_ATTR, SHARD_ATTR, ShardInfo, init_weights, shard_info
 from tricorn.model.layers import RopeScaling, Rotary
 from tricorn.model.spec import LayerSpec, local_spec
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, layer_id: int = 0):
         super().__init__()
         self.spec = spec
+        self.layer_id = layer_id
+        self.seq_length = cfg.seq_length
         self.head_dim = cfg.head_dim
         self.q_per_group = cfg.num_attention_heads // cfg.kv_heads
         self.dropout_p = cfg.attention_dropout
@@ -46,7 +57,9 @@ class Attention(nn.Module):
         self.wqkv = spec.column_linear(cfg.hidden_size, qkv_out, bias=bias)
         self.wo = spec.row_linear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, rotary: Optional[Rotary], position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rotary: Optional[Rotary], position_ids: torch.Tensor, sample_ids: Optional[Sequence[int]] = None
+    ) -> torch.Tensor:
         qkv = self.wqkv(x)
         b, s = qkv.shape[:2]
         # [b, s, local groups, q_per_group + 2, d]: the group count is whatever slice this rank holds.
@@ -56,9 +69,15 @@ class Attention(nn.Module):
         v = qkv[:, :, :, self.q_per_group + 1].transpose(1, 2)
         if rotary is not None:
             q, k = rotary(q, position_ids), rotary(k, position_ids)
-        with self.spec.tp_rng():
-            out = self.spec.core_attention(q, k, v, self.dropout_p if self.training else 0.0)
+        out = self.spec.core_attention(q, k, v, self._dropout(sample_ids, b, local_heads=q.shape[1]))
         return self.wo(out.transpose(1, 2).flatten(2))
+
+    def _dropout(self, sample_ids: Optional[Sequence[int]], batch: int, local_heads: int) -> Optional[AttentionDropout]:
+        if not self.training or self.dropout_p == 0.0:
+            return None
+        ids = sample_ids_or_default(sample_ids, batch)
+        key = DropoutKey(self.spec.dropout_seed, ids, self.layer_id, ATTENTION_PROBS, self.seq_length)
+        return AttentionDropout(self.dropout_p, key, head_offset=self.spec.tp_rank * local_heads)
 
 
 class MLP(nn.Module):
@@ -81,24 +100,35 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, layer_id: int = 0):
         super().__init__()
         self.spec = spec
+        self.layer_id = layer_id
+        self.seq_length = cfg.seq_length
         self.attention_norm = spec.norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon)
-        self.attention = Attention(cfg, spec)
+        self.attention = Attention(cfg, spec, layer_id)
         self.mlp_norm = spec.norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon)
         self.mlp = MLP(cfg, spec)
         self.hidden_dropout = cfg.hidden_dropout
 
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+    def _dropout(
+        self, x: torch.Tensor, site: int, position_ids: torch.Tensor, sample_ids: Optional[Sequence[int]]
+    ) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0.0:
             return x
-        with self.spec.sequence_rng():
-            return F.dropout(x, self.hidden_dropout, training=True)
+        # The branch output is this rank's sequence shard (SP) of the positions `position_ids` lists (CP).
+        rows = position_ids.chunk(self.spec.sequence_shards)[self.spec.sequence_shard_rank]
+        key = DropoutKey(
+            self.spec.dropout_seed, sample_ids_or_default(sample_ids, x.shape[0]), self.layer_id, site, self.seq_length
+        )
+        return hidden_dropout(x, self.hidden_dropout, key, rows)
 
-    def forward(self, x: torch.Tensor, rotary: Optional[Rotary], position_ids: torch.Tensor) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.attention_norm(x), rotary, position_ids))
-        return x + self._dropout(self.mlp(self.mlp_norm(x)))
+    def forward(
+        self, x: torch.Tensor, rotary: Optional[Rotary], position_ids: torch.Tensor, sample_ids: Optional[Sequence[int]] = None
+    ) -> torch.Tensor:
+        attn = self.attention(self.attention_norm(x), rotary, position_ids, sample_ids)
+        x = x + self._dropout(attn, ATTENTION_OUTPUT, position_ids, sample_ids)
+        return x + self._dropout(self.mlp(self.mlp_norm(x)), MLP_OUTPUT, position_ids, sample_ids)
 
 
 def rotary_of(cfg: ModelConfig) -> Rotary:
@@ -145,7 +175,7 @@ class GPTModel(nn.Module):
             self.sequence_scatter = spec.sequence_scatter() if learned else None
         ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         # Keys are global layer indices so parameter names do not depend on the pipeline split.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, spec) for i in ids})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, spec, layer_id=i) for i in ids})
         self.rotary = None if learned else rotary_of(cfg)
         if post_process:
             self.norm = spec.norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon)
@@ -170,7 +200,10 @@ class GPTModel(nn.Module):
             return self.spec.position_ids(seq, device)
         return torch.arange(seq, device=device)
 
-    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None, sample_ids: Optional[Sequence[int]] = None
+    ) -> torch.Tensor:
+        """`sample_ids`: the global sample index of each row, which dropout masks are drawn by (dropout.py)."""
         # Hidden states from a previous pipeline stage may be sequence-sharded; token ids never are.
         seq = inputs.shape[1] * (1 if self.pre_process else self.spec.sequence_shards)
         position_ids = self._position_ids(seq, inputs.device)
@@ -181,7 +214,7 @@ class GPTModel(nn.Module):
         else:
             x = inputs
         for layer in self.layers.values():
-            x = layer(x, self.rotary, position_ids)
+            x = layer(x, self.rotary, position_ids, sample_ids)
         if not self.post_process:
             return x
         x = self.norm(x)

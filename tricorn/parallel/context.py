@@ -18,12 +18,14 @@ the data-parallel reduction, like DP replicas.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from tricorn.data.base import Batch
+from tricorn.model.dropout import AttentionDropout, attention_with_dropout
 from tricorn.model.spec import LayerSpec
 from tricorn.parallel.tensor import all_gather_dim, reduce_scatter_dim
 
@@ -40,7 +42,7 @@ def slice_batch(batch: Batch, cp_rank: int, cp_size: int) -> Batch:
     if cp_size == 1:
         return batch
     idx = local_positions(batch.tokens.shape[1], cp_rank, cp_size, batch.tokens.device)
-    return Batch(batch.tokens[:, idx], batch.labels[:, idx], batch.loss_mask[:, idx])
+    return Batch(batch.tokens[:, idx], batch.labels[:, idx], batch.loss_mask[:, idx], batch.sample_ids)
 
 
 class _GatherSeqForAttention(torch.autograd.Function):
@@ -59,14 +61,16 @@ class _GatherSeqForAttention(torch.autograd.Function):
 def context_parallel_attention(group: dist.ProcessGroup, seq_length_local: int):
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
 
-    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: Optional[AttentionDropout]) -> torch.Tensor:
         s_local = q.shape[2]
         q_pos = local_positions(s_local * cp_size, cp_rank, cp_size, q.device)
         k_pos = torch.cat([local_positions(s_local * cp_size, r, cp_size, q.device) for r in range(cp_size)])
         k = _GatherSeqForAttention.apply(k, group)
         v = _GatherSeqForAttention.apply(v, group)
+        if dropout is not None:  # masks drawn by global position: the same as one process draws
+            return attention_with_dropout(q, k, v, dropout, q_pos, k_pos)
         mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # True = may attend
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
     return core
 

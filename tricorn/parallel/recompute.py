@@ -19,11 +19,10 @@ layers is checkpointed as one region: the group's first layer runs the whole gro
 modules, so their hooks fire) and the others then pass their input through, so parameter names and the
 layer ModuleDict stay as they were.
 
-RNG: checkpoint restores the default RNG stream for the recomputation, but the tensor-parallel dropout
-stream lives in the RNG tracker (``tricorn.parallel.tensor.RNGTracker``). Each checkpoint snapshots the
-tracker's states when its forward starts and swaps them in around its recomputation (as Megatron's
-CheckpointFunction does), so every dropout mask - residual dropout under SP, attention dropout in the TP
-region - is drawn again identically, and the tracker continues afterwards as if nothing was recomputed.
+RNG: dropout masks are drawn by (seed, sample, layer, site, position) (tricorn/model/dropout.py), so a
+recomputed region draws them again identically with no RNG bookkeeping. For any other randomness a region
+may draw, checkpoint restores the default RNG stream, and each checkpoint snapshots the RNG tracker's states
+when its forward starts and swaps them in around its recomputation (as Megatron's CheckpointFunction does).
 Recomputation therefore gives bitwise the same loss and gradients as no recomputation.
 
 Collectives: a recomputed region re-runs its collectives during backward (the TP all-reduce or the SP

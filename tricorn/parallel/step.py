@@ -37,7 +37,7 @@ class StepContext:
 
 
 def microbatch_loss(model: nn.Module, mb: Batch, num_tokens: torch.Tensor) -> torch.Tensor:
-    per_token = model(mb.tokens, mb.labels)
+    per_token = model(mb.tokens, mb.labels, mb.sample_ids)
     return (per_token * mb.loss_mask).sum() / num_tokens
 
 

@@ -357,18 +357,16 @@ def seed_everything(seed: int, pp_rank: int, tp_rank: int, device: torch.device)
 # ---------------------------------------------------------------- the spec
 
 
-def tensor_parallel_spec(cfg: Config, tp_group: dist.ProcessGroup, tracker: RNGTracker) -> LayerSpec:
+def tensor_parallel_spec(cfg: Config, tp_group: dist.ProcessGroup) -> LayerSpec:
     """The layer spec that makes the decoder tensor (and sequence) parallel over `tp_group`."""
-    sp = cfg.parallel.sequence_parallel and dist.get_world_size(tp_group) > 1
+    tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    sp = cfg.parallel.sequence_parallel and tp_size > 1
     vocab = cfg.model.vocab_size
     common = dict(group=tp_group, sequence_parallel=sp)
 
     def norm(dim: int, kind: str, eps: float) -> nn.Module:
         module = make_norm(dim, kind, eps)
         return mark_sequence_parallel(module) if sp else module
-
-    def fork() -> contextlib.AbstractContextManager:
-        return tracker.fork(RNGTracker.TP)
 
     return LayerSpec(
         column_linear=functools.partial(ColumnParallelLinear, **common),
@@ -378,9 +376,12 @@ def tensor_parallel_spec(cfg: Config, tp_group: dist.ProcessGroup, tracker: RNGT
         output_head=functools.partial(ParallelHead, **common, vocab_size=vocab),
         cross_entropy=lambda logits, labels, v: vocab_parallel_cross_entropy(logits, labels, v, tp_group),
         norm=norm,
-        tp_rng=fork,
-        sequence_rng=fork if sp else contextlib.nullcontext,
-        sequence_shards=dist.get_world_size(tp_group) if sp else 1,
+        sequence_shards=tp_size if sp else 1,
+        # Dropout masks are drawn by global sample, head and position (model/dropout.py), so every TP
+        # rank drops exactly what one process would: it only needs to know where its slice sits.
+        dropout_seed=cfg.training.seed,
+        tp_rank=tp_rank,
+        sequence_shard_rank=tp_rank if sp else 0,
     )
 
 

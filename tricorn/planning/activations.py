@@ -15,7 +15,7 @@ a backward needs, in bytes); ``layer_activation_terms`` returns one field per ro
     norm_stats        2 * 4k / h            [/t SP]   fp32 rstd (k = 1) - LayerNorm: mean too (k = 2)
     linear_inputs     2e                              the norm outputs, input of QKV and of w1 (SP: their
                                                       all-gathered copies, so not / t)
-    dropout_masks     2m                    [/t SP]   residual dropout masks: m = 1 (bool, GPU) or e (CPU), if > 0
+    dropout_masks     2                     [/t SP]   residual dropout masks (bool), if --hidden-dropout > 0
     qkv               e(1 + 2r) / t                   the fused QKV output: v is a view of it, so SDPA keeps it whole
                       + e(1 + r) / t                  RoPE'd q and k (learned positions: 0 - q, k are views of QKV)
     attention_output  e / t                           SDPA's output is the out projection's input
@@ -36,10 +36,11 @@ Summed, with RMSNorm, RoPE and flash attention, no dropout:
 e.g. Llama-2-7B (r = 1, f/h = 2.69) in bf16 with SP: sbh(4 + 41.5/t), against GPT-3's sbh(34 + 5as/h)/t in
 Korthikanti's accounting: no s x s term (flash), but fp32 norm inputs and the all-gathered linear inputs.
 
-    math attention (CPU with --attention-dropout > 0, where torch's flash kernel has no dropout): instead of
-    the QKV output, RoPE'd q, k and the log-sum-exp, SDPA keeps copies of q (scaled), k and v expanded to a
-    heads: 3e / t, and the s x s tensors: (e [softmax] + m [mask] + e [dropped probs]) * a s / (h t) -
-    Korthikanti's 5as/h term in fp16 on GPU.
+    attention dropout (--attention-dropout > 0): attention runs as explicit math so that its masks are
+    layout-independent (tricorn/model/dropout.py). Instead of the QKV output, the RoPE'd q, k and the
+    log-sum-exp it keeps copies of q, and of k and v expanded to a heads, 3e / t, the s x s tensors,
+    (4 [fp32 softmax] + 1 [bool mask] + e [dropped probs]) * a s / (h t), and the [s, s_k] causal mask
+    (s * s_k bytes in all). KORTHIKANTI's math attention keeps (e + 1 + e) a s / (h t): 5as/h in fp16.
 
 Variants. TP divides everything inside the TP region (QKV ... MLP); SP also divides the norm and dropout terms
 (they act on the sequence shard). Selective recompute (tricorn.parallel.recompute): core_attn removes the SDPA
@@ -58,10 +59,8 @@ sbh(34 + 5as/h) for a GPT-3 block in fp16, sbh(10 + 24/t + 5as/(ht)) with TP, sb
 Checked (tests/test_activation_probe.py): the probe equals ``TRICORN`` to the byte on CPU in fp32 and bf16,
 RMSNorm and LayerNorm, with residual and attention dropout, without recompute and with every selective
 variant, and on 2 ranks with TP and SP (fp32); with full recompute it measures the layer input plus the int64
-position ids (8s bytes) the chunk's first checkpoint keeps. Not matched: bf16/fp16 on CPU with attention
-dropout, where torch's math SDPA keeps q, k, v and the s x s tensors in fp32 ((4 - e)(3sbh + 3as^2b)/t bytes
-more than counted). The GPU rows assume torch's fused rms_norm (input + rstd kept), bool dropout masks and
-flash / memory-efficient SDPA; they were not measured on a GPU.
+position ids (8s bytes) the chunk's first checkpoint keeps. Attention dropout is matched in bf16 too (the explicit attention is ours, not a torch kernel). The GPU rows
+assume torch's fused rms_norm (input + rstd kept) and flash / memory-efficient SDPA; they were not measured on a GPU.
 
 Microbatches in flight on pipeline stage r of p with M microbatches: 1F1B min(p - r, M); interleaved with v
 chunks min(2(p - r - 1) + (v - 1)p + 1, Mv) chunk-forwards of L/(pv) layers - on the first stage
@@ -97,8 +96,7 @@ class ActivationProfile:
     cpu_rmsnorm_copies: int  # CPU's unfused rms_norm also keeps the normalised input (another copy)
     norm_stats_bytes: float  # per token, norm and statistic (fp32 rstd; LayerNorm's mean too)
     norm_weight_fp32_copy: bool  # a 16-bit norm weight is cast to fp32 for each forward, and the copy is saved
-    cpu_dropout_mask_is_activation: bool  # CPU's dropout keeps a noise tensor of the activation dtype, not 1-byte masks
-    flash: bool  # fused SDPA where torch has one (not on CPU with attention dropout)
+    flash: bool  # fused SDPA (our block runs explicit attention math instead only with attention dropout)
     rope_copies: bool  # RoPE'd q and k kept beside the fused QKV output, plus the cos/sin rows per layer
     attention_output_copies: int
     sp_gathered_inputs: bool  # under SP, column-parallel linears keep their all-gathered input
@@ -110,11 +108,8 @@ class ActivationProfile:
     def stats_bytes(self, normalization: str) -> float:
         return self.norm_stats_bytes * (2 if normalization == "LayerNorm" else 1)
 
-    def mask_bytes(self, e: float, device: str) -> float:
-        return e if device == "cpu" and self.cpu_dropout_mask_is_activation else 1
-
-    def uses_flash(self, device: str, attention_dropout: float) -> bool:
-        return self.flash and (device != "cpu" or attention_dropout == 0.0)
+    def uses_flash(self, attention_dropout: float) -> bool:
+        return self.flash and attention_dropout == 0.0
 
 
 TRICORN = ActivationProfile(
@@ -122,7 +117,6 @@ TRICORN = ActivationProfile(
     cpu_rmsnorm_copies=2,
     norm_stats_bytes=4,
     norm_weight_fp32_copy=True,
-    cpu_dropout_mask_is_activation=True,
     flash=True,
     rope_copies=True,
     attention_output_copies=1,
@@ -133,7 +127,6 @@ KORTHIKANTI = ActivationProfile(
     cpu_rmsnorm_copies=1,
     norm_stats_bytes=0,
     norm_weight_fp32_copy=False,
-    cpu_dropout_mask_is_activation=False,
     flash=False,
     rope_copies=False,
     attention_output_copies=1,
@@ -207,19 +200,22 @@ def layer_activation_terms(
     copies = profile.attention_output_copies - (1 if "core_attn" in selective else 0)
     if "core_attn" in selective:
         core = 0.0
-    elif profile.uses_flash(device, model.attention_dropout):
+    elif profile.uses_flash(model.attention_dropout):
         core = 4.0 * a * s * b
+    elif profile.flash:  # our explicit attention with layout-independent dropout (tricorn/model/dropout.py)
+        qkv = 3 * e * sbh  # q, and k, v expanded to a heads, as fresh copies for the matmuls
+        core = (4 + 1 + e) * a * s * s * b + s * s  # fp32 softmax output, bool keep mask, dropped probs; causal mask
     else:  # q, k, v as the math path's matmuls keep them (k, v expanded to a heads) and the s x s tensors
         qkv = 3 * e * sbh
         core = e * a * s * s * b
         if model.attention_dropout > 0:
-            core += (profile.mask_bytes(e, device) + e) * a * s * s * b
+            core += (1 + e) * a * s * s * b
     return LayerActivationTerms(
         norm_inputs=2 * profile.norm_bytes(e, norm, device) * sbh / sp_div,
         norm_stats=2 * profile.stats_bytes(norm) * s * b / sp_div,
         norm_weights=2 * 4 * h * (2 if norm == "LayerNorm" else 1) if profile.norm_weight_fp32_copy and e != 4 else 0.0,
         linear_inputs=_linear_inputs(e * sbh, sp_div, selective, profile),
-        dropout_masks=2 * profile.mask_bytes(e, device) * sbh / sp_div if model.hidden_dropout > 0 else 0.0,
+        dropout_masks=2 * sbh / sp_div if model.hidden_dropout > 0 else 0.0,  # bool masks
         rope_tables=rope_tables,
         qkv=qkv / tp,
         attention_output=e * sbh * max(copies, 1) / tp,

@@ -64,7 +64,7 @@ def build(cfg: Config, state):
     from tricorn.training.activation_probe import attach_trainer_probe
 
     tracker = seed_everything(cfg.training.seed, state.pp_rank, state.tp_rank, state.device)
-    spec = apply_context_parallel(tensor_parallel_spec(cfg, state.tp_group, tracker), state.cp_group, cfg.model.seq_length)
+    spec = apply_context_parallel(tensor_parallel_spec(cfg, state.tp_group), state.cp_group, cfg.model.seq_length)
     if cfg.model.transformer_impl == "transformer_engine":
         from tricorn.parallel.te import te_spec
 

@@ -129,7 +129,7 @@ class PipelineExecutor:
         mb = run.batch(a.microbatch)
         last = is_last_stage(self.pp_rank, a.chunk, self.pp, self.vpp)
         x = mb.tokens if is_first_stage(self.pp_rank, a.chunk) else run.inputs[key]
-        out = model(x, mb.labels if last else None)
+        out = model(x, mb.labels if last else None, mb.sample_ids)
         if last:
             out = (out * mb.loss_mask).sum() / run.ctx.num_tokens
             run.total += out.detach().float()
