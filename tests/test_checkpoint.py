@@ -38,6 +38,7 @@ def assert_losses(run: RunResult, ref: dict[int, float], iterations: range, rtol
     got = losses(run)
     assert sorted(got) == list(iterations), f"resumed run logged iterations {sorted(got)}, expected {list(iterations)}"
     for it in iterations:
+        # rtol 0 (the default): a resume in the same layout runs the same ops in the same order, bit for bit.
         assert abs(got[it] - ref[it]) <= rtol * abs(ref[it]), f"iteration {it}: lm loss {got[it]!r} vs uninterrupted {ref[it]!r}"
 
 
