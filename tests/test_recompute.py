@@ -131,6 +131,7 @@ FULL_UNIFORM = dict(recompute_granularity="full", recompute_method="uniform", re
 def test_tracker_dropout_is_replayed_bitwise(recompute: dict) -> None:
     loss, grads = _dropout_model({})
     loss_r, grads_r = _dropout_model(recompute)
+    # Bitwise: recompute re-runs the same ops in the same order with the same replayed dropout masks.
     assert loss_r == loss and torch.equal(grads_r, grads)
 
 
