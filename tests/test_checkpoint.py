@@ -87,7 +87,7 @@ def test_distributed_optimizer_reshards_and_resumes_bitwise(reference, tmp_path)
     for key, value in ours.items():
         # Adam moments after 3 iterations in another layout: each element is a sum of gradients whose reorder
         # error is ~1e-6 of the tensor's largest gradient (FP32_RTOL's argument), so the absolute part scales with
-        # the tensor (exp_avg_sq is ~1e-9, where a fixed atol 1e-9 would check nothing); a misplaced shard is O(1).
+        # the tensor (exp_avg_sq, squared gradients x (1 - beta2), is tiny, where a fixed atol checks little); a misplaced shard is O(1).
         scale = theirs[key].abs().max().item()
         torch.testing.assert_close(value, theirs[key], rtol=1e-4, atol=1e-4 * scale, msg=lambda m, k=key: f"{k}: {m}")
     zero3 = DISTOPT + ["--zero-stage", "3"]
