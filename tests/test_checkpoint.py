@@ -86,8 +86,9 @@ def test_distributed_optimizer_reshards_and_resumes_bitwise(reference, tmp_path)
     assert theirs.keys() == ours.keys() and len(ours) > 10
     for key, value in ours.items():
         # Adam moments after 3 iterations in another layout: each element is a sum of gradients whose reorder
-        # error is ~1e-6 of the tensor's largest gradient (FP32_RTOL's argument), so the absolute part scales with
-        # the tensor (exp_avg_sq, squared gradients x (1 - beta2), is tiny, where a fixed atol checks little); a misplaced shard is O(1).
+        # error is ~1e-6 of the tensor's largest gradient (FP32_RTOL's argument), so the absolute part scales
+        # with the tensor (exp_avg_sq, squared gradients x (1 - beta2), is tiny, where a fixed atol checks
+        # little); a misplaced shard is off by O(1) of the tensor's scale.
         scale = theirs[key].abs().max().item()
         torch.testing.assert_close(value, theirs[key], rtol=1e-4, atol=1e-4 * scale, msg=lambda m, k=key: f"{k}: {m}")
     zero3 = DISTOPT + ["--zero-stage", "3"]
