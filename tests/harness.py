@@ -26,6 +26,18 @@ BASE_FLAGS = (
     "--vocab-size 500 --log-interval 1"
 ).split()
 
+# Why relative 1e-5 holds on any CPU yet catches bugs (fp32 unit roundoff u = 6e-8).
+# A layout changes only the order of fp32 sums: TP/CP shard the dot products and reduce the
+# partial sums, DP/PP split the batch and reduce the gradients, and each CPU blocks its matmuls
+# its own way. Reordering a sum of N terms (torch and gloo sum in trees) moves it by at most
+# ~log2(N) * u * sum|terms|. The lm loss (~6.2) is the mean of 256 positive token losses, each a
+# logsumexp over 500 logits of <= 256-term dot products: |error| <~ 10 * u * 6 ~ 4e-6 in the worst
+# case (~1e-6 relative, a few ulps of fp32 at 6, ulp = 4.8e-7); the grad norm (a root of a sum of
+# ~1e5 positive squares of gradients that are themselves ~1e3-term sums) likewise ~1e-6. Adam
+# normalises each step by the gradient's scale, so five steps carry these relative errors along
+# without growing them much. 1e-5 relative is 6e-5 absolute on the loss (~125 fp32 ulps): ~10x the
+# worst-case reorder error, while a real bug (a dropped microbatch, a gradient reduced twice, a
+# wrong shard) changes the loss or grad norm by 1e-3 relative or more.
 FP32_RTOL = 1e-5
 
 

@@ -57,6 +57,7 @@ def _formula(cfg: ModelConfig, **kw) -> float:
 
 
 def _within(measured: float, predicted: float, rel: float) -> None:
+    # Byte counts, not float sums: `rel` is each caller's acceptance bound for formula vs probe.
     assert predicted > 0 and abs(measured - predicted) <= rel * predicted, f"measured {measured} vs formula {predicted}"
 
 
@@ -64,8 +65,10 @@ def _within(measured: float, predicted: float, rel: float) -> None:
 def test_probe_matches_formula_without_recompute(s: int, h: int) -> None:
     cfg = _config(s, h)
     summary = _measure(cfg).summary()
+    # 10%: the activation formula's acceptance bound against the probe (byte counts, no float reorder involved).
     _within(summary.activation_bytes_per_layer, _formula(cfg), 0.10)
     assert summary.activation_bytes_other > 0  # embedding, final norm, head and loss are counted apart
+    # Integer byte sums in float64 (exact below 2^53): approx's default rel 1e-6 only absorbs the float conversion.
     assert summary.activation_bytes_per_microbatch == pytest.approx(
         2 * summary.activation_bytes_per_layer + summary.activation_bytes_other
     )
@@ -76,6 +79,7 @@ def test_full_recompute_keeps_only_the_layer_input(s: int, h: int) -> None:
     cfg = _config(s, h)
     full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     per_layer = _measure(cfg, full).summary().activation_bytes_per_layer
+    # 5%: the layer input plus the small position-id tensor kept beside it.
     _within(per_layer, 4 * s * B * h, 0.05)  # fp32 layer input
 
 
@@ -91,6 +95,7 @@ def test_selective_saves_what_the_formula_says(modules: list[str], dropout: floa
     saved = none - selective.activation_bytes_per_layer
     predicted = _formula(cfg) - _formula(cfg, recompute="selective", recompute_modules=modules)
     assert saved > 0
+    # 10%: the activation formula's acceptance bound, for the recompute savings.
     _within(saved, predicted, 0.10)
 
 

@@ -16,14 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import BASE_FLAGS, ENTRY, RunResult, free_port, run_layout, with_flag
+from harness import BASE_FLAGS, ENTRY, FP32_RTOL, RunResult, free_port, run_layout, with_flag
 
 from tricorn.training.checkpoint_io import LATEST_FILE, iter_name, read_meta, read_tensors
 
 FLAGS = with_flag(with_flag(with_flag(BASE_FLAGS, "--num-layers", "4"), "--train-iters", "6"), "--micro-batch-size", "1")
 TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 DISTOPT = ["--use-distributed-optimizer"]
-RESHARD_RTOL = 1e-6
+# A resumed run in another layout reorders its fp32 sums from there on: the harness's FP32_RTOL argument
+# (tests/harness.py). 1e-6 was at the worst-case reorder error itself (~log2(N) * u on a loss of ~6).
+RESHARD_RTOL = FP32_RTOL
 
 
 def losses(run: RunResult) -> dict[int, float]:
@@ -38,6 +40,7 @@ def assert_losses(run: RunResult, ref: dict[int, float], iterations: range, rtol
     got = losses(run)
     assert sorted(got) == list(iterations), f"resumed run logged iterations {sorted(got)}, expected {list(iterations)}"
     for it in iterations:
+        # rtol 0 (the default): a resume in the same layout runs the same ops in the same order, bit for bit.
         assert abs(got[it] - ref[it]) <= rtol * abs(ref[it]), f"iteration {it}: lm loss {got[it]!r} vs uninterrupted {ref[it]!r}"
 
 
@@ -82,7 +85,12 @@ def test_distributed_optimizer_reshards_and_resumes_bitwise(reference, tmp_path)
     theirs, ours = read_tensors(ckpt / iter_name(6), "optim."), read_tensors(dp4 / iter_name(6), "optim.")
     assert theirs.keys() == ours.keys() and len(ours) > 10
     for key, value in ours.items():
-        torch.testing.assert_close(value, theirs[key], rtol=1e-4, atol=1e-9, msg=lambda m, k=key: f"{k}: {m}")
+        # Adam moments after 3 iterations in another layout: each element is a sum of gradients whose reorder
+        # error is ~1e-6 of the tensor's largest gradient (FP32_RTOL's argument), so the absolute part scales
+        # with the tensor (exp_avg_sq, squared gradients x (1 - beta2), is tiny, where a fixed atol checks
+        # little); a misplaced shard is off by O(1) of the tensor's scale.
+        scale = theirs[key].abs().max().item()
+        torch.testing.assert_close(value, theirs[key], rtol=1e-4, atol=1e-4 * scale, msg=lambda m, k=key: f"{k}: {m}")
     zero3 = DISTOPT + ["--zero-stage", "3"]
     run = run_layout(FLAGS + zero3 + ["--load", str(dp4), "--ckpt-step", "4", "--save", str(dp2), "--save-interval", "1"], 2, dp2)
     assert_losses(run, ref, range(5, 7), RESHARD_RTOL)

@@ -1,11 +1,15 @@
 """Context parallelism: load-balanced sequence chunks, all-gathered k/v, equal to one process."""
 
+from pathlib import Path
+
+import pytest
 import torch
-from harness import BASE_FLAGS, assert_equivalent
+from harness import BASE_FLAGS, assert_equivalent, run_script
 
 from tricorn.parallel.context import local_positions
 
 GQA = ["--num-query-groups", "2", "--group-query-attention"]
+WORKERS = Path(__file__).parent / "workers"
 
 
 def test_chunks_cover_the_sequence_once_and_balance_causal_work():
@@ -15,6 +19,11 @@ def test_chunks_cover_the_sequence_once_and_balance_causal_work():
     # Causal work of a rank = sum over its queries of (position + 1): equal for all ranks.
     work = {int((k + 1).sum()) for k in kept}
     assert len(work) == 1
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_attention_matches_torch_in_float64(nproc):
+    assert "ok" in run_script(WORKERS / "cp_attention.py", nproc)
 
 
 def test_cp2_equals_single_process(tmp_path):

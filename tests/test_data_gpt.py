@@ -151,6 +151,7 @@ def test_blending_counts_and_interleave():
     which = indices["dataset_index"]
     assert np.bincount(which).tolist() == [300, 700]
     prefix = np.cumsum(which == 0)  # every prefix within 1 of its 30%
+    # Integer counts against a real target: the greedy interleave keeps every prefix within one sample.
     assert np.abs(prefix - 0.3 * np.arange(1, 1001)).max() <= 1
     for k in (0, 1):  # each dataset's samples are taken in order, each once
         assert indices["dataset_sample_index"][which == k].tolist() == list(range(np.sum(which == k)))
@@ -159,6 +160,7 @@ def test_blending_counts_and_interleave():
         weights = rng.dirichlet(np.ones(int(rng.integers(2, 30))) * 0.5)
         size = int(rng.integers(1, 5000))
         counts = blending_counts(weights, size)
+        # Integer counts: largest-remainder rounding puts each within one sample of weight x size.
         assert counts.sum() == size and np.all(np.abs(counts - weights * size) < 1)
 
 
@@ -169,6 +171,7 @@ def test_blended_dataset_draws_by_weight(tmp_path):
     parts = [GPTDataset(ds, np.arange(40), int(c), 16, 1) for ds, c in zip((a, b), counts)]
     blend = BlendedDataset(parts, [0.3, 0.7], 1000, cache_path=str(tmp_path / "cache"))
     from_a = sum(int(blend[i][0] < 500) for i in range(len(blend)))
+    # Integer count: the blend rounds 30% of 1000 to within one sample.
     assert abs(from_a - 300) <= 1
     assert BlendedDataset(parts, [0.3, 0.7], 1000, cache_path=str(tmp_path / "cache")).from_cache
     with pytest.raises(DataError, match="needs|needed"):

@@ -80,6 +80,7 @@ def test_blend_weights_over_1000_samples(data):
     train, valid, test = build_loaders(cfg, 0, 1)
     assert len(train.source) == 1000
     from_a = sum(int(train.source[i][0] < 500) for i in range(1000))
+    # Integer counts: the blend rounds each weight x 1000 to within one sample.
     assert abs(from_a - 300) <= 1 and abs((1000 - from_a) - 700) <= 1
     assert valid is not None and len(valid.source) == (125 // 5 + 1) * 2 * GBS
 

@@ -11,6 +11,7 @@ import pytest
 from distopt_common import DIST, reference_extra
 from harness import BASE_FLAGS, assert_close, assert_equivalent, reference, run_layout, with_flag
 
+# Half precision is a different computation, not a reorder: bf16 rounds every weight to 2^-8 relative (3.9e-3); 2e-3 on the loss is the README's documented figure, 10x the measured bf16 gap.
 HALF_PRECISION_RTOL = 2e-3
 
 # DP=4 and ZeRO-3 at DP=2 are checked in test_memory_report.py, whose runs also measure memory.

@@ -23,10 +23,13 @@ def test_gpt3_175b_full_recompute_matches_narayanan() -> None:
     m, batch = gpt3_175b(), 1536
     ours = flops.iteration_flops(m, batch, recompute_granularity="full", flash_attention=False, recompute_early_stop=False)
     published = flops.narayanan_flops(batch, 2048, 96, 12288, 51200)
+    # 1%: the published figure's rounding; the next line checks the unrounded formula.
     assert ours.hardware == pytest.approx(published, rel=1e-2)
     # The same numbers without rounding: the formulas are the same sum of matmuls.
+    # Two float64 evaluations of the same sum of ~10 matmul terms in another order: ~1e-15 apart, 1e-12 is room.
     assert ours.hardware == pytest.approx(published, rel=1e-12)
     # Narayanan's model FLOPs are 3/4 of the transformer part plus the head: 72*B*s*l*h^2*(1 + s/6h + V/12lh).
+    # The same closed form in float64, reordered: approx's default rel 1e-6 is far above float64 rounding (1e-15).
     assert ours.model == pytest.approx(72 * batch * 2048 * 96 * 12288**2 * (1 + 2048 / (6 * 12288) + 51200 / (12 * 96 * 12288)))
 
 
@@ -34,6 +37,7 @@ def test_gpt3_175b_full_recompute_matches_narayanan() -> None:
 def test_llama_model_flops_match_megatron(preset: str) -> None:
     m = ModelConfig(**PRESETS[preset])
     ours = flops.iteration_flops(m, 512)
+    # Megatron's formula and ours: the same terms summed in another order in float64 (~1e-15 apart).
     assert ours.model == pytest.approx(flops.megatron_flops(m, 512, m.padded_vocab_size(1)), rel=1e-12)
 
 
@@ -43,6 +47,7 @@ def test_6n_rule_of_thumb_for_llama2_7b() -> None:
     f = flops.iteration_flops(m, 1)
     layer = flops.layer_forward_flops_per_token(m)
     matmul_params = m.num_layers * (4 * 4096**2 + 3 * 4096 * 11008) + 4096 * 32000
+    # Float64 sums of integer FLOP counts; the difference keeps ~1e-15 relative error, default rel 1e-6 is room.
     assert f.model - 3 * f.tokens * m.num_layers * layer.core == pytest.approx(6 * matmul_params * f.tokens)
 
 
@@ -50,6 +55,7 @@ def test_causal_halving_halves_only_the_attention_core() -> None:
     m = ModelConfig(**PRESETS["llama3-8b"])
     full, half = flops.iteration_flops(m, 8), flops.iteration_flops(m, 8, causal_halving=True)
     core = 3 * full.tokens * m.num_layers * flops.layer_forward_flops_per_token(m).core
+    # Float64 arithmetic on integer FLOP counts: default rel 1e-6, far above its ~1e-15 rounding.
     assert full.model - half.model == pytest.approx(core / 2)
 
 
@@ -60,6 +66,7 @@ def test_recompute_adds_hardware_flops_only() -> None:
     sel = flops.iteration_flops(m, 4, recompute_granularity="selective", flash_attention=False)
     layer = flops.layer_forward_flops_per_token(m)
     assert full.model == sel.model == base.model
+    # Float64 arithmetic on integer FLOP counts: default rel 1e-6, far above its ~1e-15 rounding.
     assert full.recompute == pytest.approx(base.tokens * m.num_layers * layer.total)
     assert sel.recompute == pytest.approx(base.tokens * m.num_layers * layer.core)
     # Full recompute costs one more forward of the layers: hardware/model just under 4/3.
@@ -73,6 +80,7 @@ def test_block_recompute_counts_layers_per_chunk() -> None:
     f = flops.iteration_flops_for_config(cfg, flash_attention=False)
     layer = flops.layer_forward_flops_per_token(cfg.model)
     down_proj = 2 * 4096 * 11008  # torch's non-reentrant checkpoint does not re-run the last matmul
+    # Float64 arithmetic on integer FLOP counts: default rel 1e-6, far above its ~1e-15 rounding.
     assert f.recompute == pytest.approx(f.tokens * 12 * (layer.total - down_proj))
 
 
@@ -85,6 +93,7 @@ def test_mfu_and_peak_table() -> None:
     with pytest.raises(ValueError, match="no fp8"):
         peak_tflops("a100-80gb", "fp8")
     # 8 GPUs doing 8 * 400e12 FLOPs in one second: 400 TFLOP/s each, MFU 400/989.
+    # One float64 division each: default rel 1e-6 only absorbs its rounding.
     assert flops.tflops_per_device(8 * 400e12, 1.0, 8) == pytest.approx(400.0)
     assert flops.mfu(8 * 400e12, 1.0, 8, 989.0) == pytest.approx(400 / 989)
 
@@ -179,6 +188,7 @@ def test_formula_equals_exact_matmul_count(shape: dict) -> None:
     counted = flops.count_matmul_flops(train_step, model, tokens)
     f = flops.iteration_flops(m, batch, vocab_size=m.vocab_size)
     assert counted > 0
+    # Exact integer counts summed in float64 in two orders: 1e-12 is 1000x their rounding.
     assert counted == pytest.approx(f.hardware, rel=1e-12)  # flash attention's backward recomputes Q K^T
     assert counted - f.attention_backward_recompute == pytest.approx(f.model, rel=1e-12)
 
@@ -199,5 +209,7 @@ def test_exact_count_sees_recompute(reentrant: bool) -> None:
 
     # Non-reentrant checkpoint stops before the last matmul; reentrant (Megatron's) re-runs the whole layer.
     f = flops.iteration_flops(m, 2, vocab_size=128, recompute_granularity="full", recompute_early_stop=not reentrant)
+    # Exact integer counts summed in float64 in two orders: 1e-12 is 1000x their rounding.
     assert flops.count_matmul_flops(step) == pytest.approx(f.hardware, rel=1e-12)
+    # isclose's default rel 1e-9: recompute adds whole layers (~25%), far above it.
     assert not math.isclose(f.hardware, f.model)

@@ -1,4 +1,8 @@
-"""fp16 loss scaling: the dynamic scaler's rules, and an overflow on one rank skipping the step on every rank."""
+"""fp16 loss scaling: the dynamic scaler's rules, and an overflow on one rank skipping the step on every rank.
+
+Scales are powers of two, only ever halved or doubled: exact in binary floating point, so they are compared
+with ==; the multi-rank skip is checked bit for bit (a skipped step changes nothing at all).
+"""
 
 from pathlib import Path
 

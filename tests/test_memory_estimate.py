@@ -28,7 +28,9 @@ def state_bytes_per_param(rec: dict) -> float:
 
 def test_megatron_18_bytes_per_param_without_distributed_optimizer(capsys) -> None:
     rec = run_json(["--model-preset", "llama2-7b", "--bf16", "--world-size", "8"], capsys)
+    # 1%: Megatron's published 18 bytes/param is rounded; the estimate also counts Adam's per-tensor step counters.
     assert state_bytes_per_param(rec) == pytest.approx(18, rel=1e-2)
+    # Exact byte counts (integers); approx only absorbs the JSON float.
     assert rec["grads_bytes"] == pytest.approx(4 * rec["params_on_rank"])  # fp32 main grads
     assert rec["master_params_bytes"] == pytest.approx(4 * rec["params_on_rank"])
 
@@ -36,6 +38,7 @@ def test_megatron_18_bytes_per_param_without_distributed_optimizer(capsys) -> No
 @pytest.mark.parametrize("dp", [2, 8, 64])
 def test_megatron_6_plus_12_over_d_with_distributed_optimizer(dp: int, capsys) -> None:
     rec = run_json(["--model-preset", "llama2-7b", "--bf16", "--world-size", str(dp), "--use-distributed-optimizer"], capsys)
+    # 1%: Megatron's published 6 + 12/d; DP-shard padding and the norms move the real ratio slightly.
     assert state_bytes_per_param(rec) == pytest.approx(6 + 12 / dp, rel=1e-2)
 
 
@@ -46,12 +49,14 @@ ZERO_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.88}
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_paper_figures(stage: int, capsys) -> None:
     direct = memory.model_state_bytes(7.5e9, param_bytes=2, grad_bytes=2, master_bytes=4, dp=64, zero_stage=stage)
+    # 1%: the ZeRO paper prints its figures to 3 significant digits.
     assert direct.total / 1e9 == pytest.approx(ZERO_GB[stage], rel=1e-2)
     # The same through the CLI's JSON: fp16 with 16-bit gradients, bytes/param scaled to 7.5B parameters.
     argv = ["--model-preset", "llama2-7b", "--fp16", "--grad-reduce-in-bf16", "--world-size", "64"]
     if stage:
         argv += ["--use-distributed-optimizer", "--zero-stage", str(stage)]
     rec = run_json(argv, capsys)
+    # 1%: the paper's 3-digit rounding, plus DP-shard padding of the real 7B model.
     assert state_bytes_per_param(rec) * 7.5e9 / 1e9 == pytest.approx(ZERO_GB[stage], rel=1e-2)
 
 
@@ -59,8 +64,10 @@ def test_worked_7b_budget_16_bytes_per_param(capsys) -> None:
     # fp16 weights and grads, fp32 master, two fp32 moments: 2 + 2 + 4 + 8 = 16 bytes, 112 GB for 7B.
     assert memory.bytes_per_param("fp16", grads_16bit=True) == (2, 2, 4, 8)
     state = memory.model_state_bytes(7e9, param_bytes=2, grad_bytes=2, master_bytes=4)
+    # 1%: the worked example's rounded 112 GB.
     assert state.total / 1e9 == pytest.approx(112, rel=1e-2)
     rec = run_json(["--model-preset", "llama2-7b", "--fp16", "--grad-reduce-in-bf16"], capsys)
+    # 0.1%: 16 bytes per parameter, plus Adam's per-tensor step counters (far below 0.1%).
     assert state_bytes_per_param(rec) == pytest.approx(16, rel=1e-3)
     assert rec["model_state_bytes"] / 1e9 == pytest.approx(112 * rec["params_on_rank"] / 7e9, rel=1e-3)
 
@@ -103,6 +110,7 @@ def test_korthikanti_per_layer_activations(tp: int, sp: bool, recompute) -> None
     ours = memory.layer_activation_bytes(
         m, seq=2048, micro_batch=1, tp=tp, sequence_parallel=sp, recompute=recompute, precision="fp16", profile=KORTHIKANTI
     )
+    # The same byte formula evaluated in float64 in two term orders: ~1e-15 apart.
     assert ours == pytest.approx(memory.korthikanti_layer_bytes(2048, 1, 12288, 96, tp, sp, recompute), rel=1e-12)
 
 
@@ -110,6 +118,7 @@ def test_korthikanti_headline_numbers() -> None:
     s, b, h, a = 2048, 1, 12288, 96
     assert memory.korthikanti_layer_bytes(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
     # GPT-3 175B, TP=8 with SP and selective recompute: 34sbh/t = 102 MiB per layer in fp16.
+    # 34sbh/t bytes is exactly 102 MiB here; approx only absorbs float64 rounding.
     assert memory.korthikanti_layer_bytes(s, b, h, a, 8, True, "selective") / 2**20 == pytest.approx(102.0)
 
 
@@ -118,6 +127,7 @@ def test_first_stage_holds_all_layers_and_interleaving_factor() -> None:
     per_layer = memory.layer_activation_bytes(m, seq=2048, micro_batch=1, tp=8, sequence_parallel=True, profile=KORTHIKANTI)
     base = Layout(tp=8, pp=8, dp=1, num_microbatches=64, sequence_parallel=True, precision="fp16")
     first = memory.stage_activation_bytes(m, base, 0, 12, KORTHIKANTI)
+    # Float64 products of exact byte counts: default rel 1e-6 only absorbs rounding (below 1e-15).
     assert first == pytest.approx(per_layer * 96)  # 1F1B: p microbatches of L/p layers
     last = memory.stage_activation_bytes(m, base, 7, 12, KORTHIKANTI)
     assert last == pytest.approx(per_layer * 12)
@@ -134,6 +144,7 @@ def test_full_recompute_keeps_layer_inputs_plus_one_layer() -> None:
     lay = Layout(tp=8, pp=1, sequence_parallel=True, recompute="full", precision="fp16")
     full_layer = memory.layer_activation_bytes(m, seq=2048, micro_batch=1, tp=8, sequence_parallel=True, profile=KORTHIKANTI)
     got = memory.stage_activation_bytes(m, lay, 0, 96, KORTHIKANTI)
+    # Float64 sums of exact byte counts: default rel 1e-6 only absorbs rounding.
     assert got == pytest.approx(96 * 2 * 2048 * 12288 / 8 + full_layer)
 
 
@@ -165,6 +176,7 @@ def test_formula_matches_tricorn_block_saved_tensors(precision: str, shape: dict
         block(x, rotary, torch.arange(128))
     measured = probe.summary().activation_bytes_other
     predicted = memory.layer_activation_bytes(m, seq=128, micro_batch=2, precision=precision, device="cpu")
+    # 1%: the formula against the saved-tensor bytes of the real block (byte counts, no float reorder involved).
     assert predicted == pytest.approx(measured, rel=1e-2)
 
 
@@ -215,6 +227,7 @@ def test_json_keys_are_stable(capsys) -> None:
     for key in ("params_bytes", "grads_bytes", "master_params_bytes", "optimizer_state_bytes", "activation_bytes", "total_bytes"):
         assert isinstance(rec[key], (int, float))
     parts = [k for k, _ in estimate_cli.CATEGORIES]
+    # A float64 sum of the same categories: default rel 1e-6 only absorbs its rounding.
     assert rec["total_bytes"] == pytest.approx(sum(rec[k] for k in parts))
     assert rec["fits"] is True
 

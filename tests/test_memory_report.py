@@ -60,6 +60,7 @@ def test_dp4_distributed_optimizer_shards_optimizer_state(tmp_path, tmp_path_fac
     sharded = one["optimizer_state_bytes"] + one["master_params_bytes"]
     for e in entries:
         # Optimizer state and master weights: 1/4 per rank, up to padding (< 1%); full params and grads (ZeRO-1).
+        # Byte counts: each DP shard is padded to equal size, under 1% here.
         assert e["optimizer_state_bytes"] + e["master_params_bytes"] == pytest.approx(sharded / 4, rel=0.01)
         assert e["params_bytes"] == pytest.approx(one["params_bytes"], rel=0.01)
         assert e["grads_bytes"] == pytest.approx(one["grads_bytes"], rel=0.01)
@@ -69,4 +70,5 @@ def test_zero3_shards_parameters_too(tmp_path, tmp_path_factory):
     one, entries = _equivalent_with_report(BASE_FLAGS, 2, tmp_path, tmp_path_factory, DIST + ["--zero-stage", "3"])
     for e in entries:
         for key in ("params_bytes", "grads_bytes", "optimizer_state_bytes"):
+            # Byte counts: each DP shard is padded to equal size, under 1% here.
             assert e[key] == pytest.approx(one[key] / 2, rel=0.01), key

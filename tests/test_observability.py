@@ -87,6 +87,7 @@ def test_every_tag_once_per_logged_iteration(runs: dict) -> None:
     assert all(x > 0 for x in v["throughput"] + v["tokens-per-sec"] + v["mem-allocated-bytes"] + v["iteration-time"])
     assert v["batch-size"] == [4.0] * ITERS and v["skipped-iterations"] == [0.0] * ITERS
     # mfu is in percent: model TFLOP/s per device over the 1 TFLOP/s peak given on the command line.
+    # TensorBoard stores float32: two roundings of u = 6e-8 each; 1e-5 is 80x that.
     assert v["mfu"] == pytest.approx([100 * t / 1.0 for t in v["throughput"]], rel=1e-5)
     for i in range(ITERS):
         lo, hi = v["forward-backward-time-min"][i], v["forward-backward-time-max"][i]
@@ -98,6 +99,7 @@ def test_throughput_is_model_flops_per_device(runs: dict) -> None:
     cfg = config_from_args(flags(Path("/tmp"), "x", "--pipeline-model-parallel-size", "2"), world_size=2)
     model_flops = flops.iteration_flops_for_config(cfg).model
     for r in (r for r in run.records if "loss" in r):
+        # The same float64 formula on the logged iteration time (full precision in JSON): 1e-6 only absorbs rounding.
         assert r["tflops_per_device"] == pytest.approx(model_flops / r["iteration_time"] / 2 / 1e12, rel=1e-6)
 
 
@@ -116,6 +118,7 @@ def test_params_norm_counts_each_parameter_once(runs: dict) -> None:
     pp2 = [r["params_norm"] for r in runs["pp2"][0].records if "params_norm" in r]
     tp2 = [r["params_norm"] for r in runs["tp2"][0].records if "params_norm" in r]
     assert len(pp2) == len(tp2) == ITERS
+    # Two layouts after the same training: fp32 reorder only, the harness's FP32_RTOL argument; a copy counted twice moves it by >1%.
     assert pp2 == pytest.approx(tp2, rel=1e-5)
 
 
@@ -157,6 +160,7 @@ def test_console_line_and_eta_counts_down(runs: dict) -> None:
     shown = [re.search(r"ETA: ([\d.]+)s$", line) for line in lines]
     assert all(shown), lines[0]
     etas = [r["eta_s"] for r in run.records if "eta_s" in r]
+    # The console prints the ETA to 2 decimals (format_duration): half a unit 0.005, plus float noise.
     assert [float(m.group(1)) for m in shown] == pytest.approx(etas, abs=0.006)
     # At the last iteration only the final evaluation is left; timing noise may wiggle single steps before.
     assert len(etas) == ITERS and 0 < etas[-1] < min(etas[:-1]) and etas[0] == max(etas)
@@ -193,6 +197,7 @@ def test_eta_counts_down_at_constant_pace() -> None:
         if it % 4 == 0:
             logger.observe_evaluation(0.5)
     # Iteration 1: 9 more at its 2 s, plus the evaluations at 4 and 8, guessed as 3 forwards ~ 1 iteration each.
+    # Sums of exact binary fractions (2.0, 1.0, 0.5): default approx only absorbs float64 rounding.
     assert etas[0] == pytest.approx(9 * 2.0 + 2 * 2.0)
     assert etas[1] == pytest.approx(8 * 1.0 + 2 * 1.0)  # the pace now leaves the warm-up iteration out
     assert etas[3] == pytest.approx(6 * 1.0 + 2 * 1.0)  # the evaluation at 4 is still ahead
@@ -275,6 +280,8 @@ def test_formula_equals_matmuls_of_tricorn_model(extra: str) -> None:
     counted = flops.count_matmul_flops(lambda: model(tokens, labels).sum().backward())
     f = flops.iteration_flops_for_config(cfg)
     # The CPU flash kernel's backward recomputes Q K^T, as on GPU; that and recompute are hardware FLOPs only.
+    # Exact integer counts summed in float64 in two orders: 1e-12 is 1000x their rounding.
     assert counted == pytest.approx(f.hardware, rel=1e-12)
     assert counted - f.attention_backward_recompute - f.recompute == pytest.approx(f.model, rel=1e-12)
+    # isclose to 0.0 is exact equality (no abs_tol): no recompute means exactly zero recompute FLOPs.
     assert math.isclose(f.recompute, 0.0) == (cfg.model.recompute_granularity is None)

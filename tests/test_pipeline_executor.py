@@ -49,4 +49,5 @@ def test_chunks_hold_their_virtual_stages_layers_embedding_and_head():
     assert [c.pre_process for c in rank0 + rank1] == [True, False, False, False]
     assert [c.post_process for c in rank0 + rank1] == [False, False, False, True]
     # The tied head copy starts equal to the embedding (initialised from its name).
+    # Bitwise: both copies come from the same seeded fill of the same name.
     torch.testing.assert_close(rank1[1].output.weight, rank0[0].tok_embeddings.weight, rtol=0, atol=0)

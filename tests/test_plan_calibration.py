@@ -39,6 +39,7 @@ def test_records_and_flops_conventions(runs) -> None:
     # Narayanan's TFLOP/s count the recompute forward (hardware FLOPs): the model-FLOPs MFU is ~3/4 of their figure.
     r0 = runs[0]
     assert r0.source == "narayanan2021" and r0.layout.recompute == "full"
+    # 3%: the published table's rounding plus the head's share, which 0.76 approximates.
     assert r0.measured_mfu == pytest.approx(records[0]["measured"]["mfu"] * 0.76, rel=0.03)  # 3/4, plus the head term
     # Korthikanti's MFU is model FLOPs: their iteration time gives back their MFU (their table rounds; 1%).
     r22 = runs[22]
@@ -56,6 +57,7 @@ def test_stored_factors_reproduce_the_reported_error(runs) -> None:
     ratios = [cal.ratio(r, effs[r.gpu]) for r in runs]
     p10, p50, p90 = cal.quantiles(ratios)
     # The stored figures are rounded to 4 digits.
+    # Stored to 4 digits (rounding 5e-5); the rest covers float64 differences of the fit across CPUs.
     assert [p10, p50, p90] == pytest.approx(data["in_sample_p10_p50_p90"], abs=1e-4)
     assert ratios == pytest.approx([data["in_sample"][str(r.index)] for r in runs], abs=1e-4)
     assert 0.85 <= p10 and p90 <= 1.15  # the acceptance bar, in sample
@@ -68,6 +70,7 @@ def test_leave_one_out_is_what_is_stored(runs) -> None:
     data = cal.stored()
     stored = {int(k): v for k, v in data["leave_one_out"].items()}
     assert len(stored) == 41 and all(v is not None for v in stored.values())
+    # Stored to 4 digits (rounding 5e-5); the rest covers float64 differences across CPUs.
     assert list(cal.quantiles(list(stored.values()))) == pytest.approx(data["leave_one_out_p10_p50_p90"], abs=1e-4)
     assert cal.interval() == tuple(data["leave_one_out_p10_p50_p90"][::2])
     # Refitting all 41 takes ~30 s on a shared CPU: the H100 runs (10 refits) stand for the rest.
@@ -82,6 +85,7 @@ def test_fit_recovers_known_factors(runs) -> None:
     synthetic = [dataclasses.replace(r, measured_s=cal.predict_s(r, truth)) for r in h100]
     fitted = cal.fit(synthetic)
     # The prior's pull and Nelder-Mead's tolerance leave a little error; 2% on every run.
+    # Optimizer tolerance, not float rounding: the prior pulls the fit and Nelder-Mead stops at its xtol.
     assert all(cal.ratio(r, fitted) == pytest.approx(1.0, abs=0.02) for r in synthetic)
     assert fitted.gemm == pytest.approx(truth.gemm, rel=0.05)  # the GEMMs dominate every run: well determined
 
@@ -99,6 +103,7 @@ def test_zero3_gathers_per_layer_with_prefetch_and_no_post_step_gather() -> None
     params = stage_params_per_rank(m, base, 0, m.num_layers)
     link = H100.network_bytes_per_s * Efficiency().network
     per_layer = 15 / 16 * params / m.num_layers / link
+    # The same float64 product in another order: ~1e-15 apart, 1e-9 is room.
     assert big == pytest.approx(4 * per_layer * (2 * 2 + 4), rel=1e-9)  # 2 gathers of bf16 + 1 fp32 reduce-scatter
     # The published DeepSpeed ZeRO-3 runs are predicted within 25%, not at a third of the measured MFU.
     effs = _stored_effs()

@@ -129,6 +129,7 @@ def test_dropout_is_redrawn_bitwise(recompute: dict) -> None:
     """The recomputed forward draws the same masks (they are keyed by sample, layer and position)."""
     loss, grads = _dropout_model({})
     loss_r, grads_r = _dropout_model(recompute)
+    # Bitwise: recompute re-runs the same ops in the same order with the same replayed dropout masks.
     assert loss_r == loss and torch.equal(grads_r, grads)
 
 
@@ -152,6 +153,7 @@ def test_block_method_checkpoints_the_first_layers_only() -> None:
         model(tokens, tokens).mean().backward()
     measured = {k: v[0] for k, v in probe.layer_bytes().items()}
     full = layer_activation_bytes(cfg, seq=16, micro_batch=2, precision="fp32", device="cpu")
+    # Byte counts: the fp32 layer input plus the small position-id tensor saved beside it (< 5%).
     assert abs(measured["0"] - 4 * 16 * 2 * 32) <= 0.05 * 4 * 16 * 2 * 32  # its input (+ the position ids)
     assert measured["1"] == measured["2"] == full
 
@@ -169,6 +171,7 @@ def test_applying_twice_is_an_error() -> None:
 
 
 def _assert_bitwise(run, ref) -> None:
+    # rtol 0: recompute re-runs the same ops in the same order on the same inputs (fp32, CPU): bit for bit.
     assert_close(run.losses, ref.losses, rtol=0, what="lm loss")
     assert_close(run.grad_norms, ref.grad_norms, rtol=0, what="grad norm")
     assert len(run.losses) == 5
@@ -196,6 +199,7 @@ def test_full_recompute_is_bitwise_and_keeps_the_layer_input(tmp_path, no_recomp
     _assert_bitwise(run, ref)
     m = MODEL
     layer_input = 4 * m.seq_length * MICRO_BATCH * m.hidden_size  # fp32 [s, b, h]
+    # Byte counts: the layer input plus the small position-id tensor (< 5%).
     assert abs(_per_layer(report) - layer_input) <= 0.05 * layer_input, (_per_layer(report), layer_input)
     assert report[0]["activation_bytes_other"] == ref_report[0]["activation_bytes_other"]  # embedding/head/loss unchanged
 
@@ -210,6 +214,7 @@ def test_selective_recompute_is_bitwise_and_saves_the_formula_amount(tmp_path, n
         MODEL, **kw, recompute="selective", recompute_modules=modules
     )
     saved = _per_layer(ref_report) - _per_layer(report)
+    # Byte counts: the activation formula's 10% acceptance bound against the probe.
     assert saved > 0 and abs(saved - predicted) <= 0.10 * predicted, (saved, predicted)
 
 

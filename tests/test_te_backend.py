@@ -90,6 +90,7 @@ def test_te_spec_keeps_names_values_and_outputs(fake_te):
     out = te_model(tokens, tokens)
     assert _StandInLinear.calls == 2 * 4  # qkv, out proj, w1, w2 per layer go through TE
     assert len(fake_te) == 1 and fake_te[0]["fp8_format"] == "HYBRID"
+    # Bitwise: the stand-in TE linear calls the same F.linear on the same weights in the same order.
     torch.testing.assert_close(out, local(tokens, tokens), rtol=0, atol=0)
 
 

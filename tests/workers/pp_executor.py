@@ -3,7 +3,7 @@
 For each case (schedule, chunks per rank, microbatches, tied or not, forward-only or not) it
 checks on every rank:
 - the loss and every parameter gradient equal one process running the whole model on the
-  same microbatches (fp32), the loss scale applied exactly once, the tied embedding and head
+  same microbatches (both in float64: see GRAD_REL), the loss scale applied exactly once, the tied embedding and head
   copies equal after grads.reduce_tied_embedding_grads;
 - the executor ran its actions in the simulator's order and held as many microbatch
   outputs as the simulator predicts;
@@ -30,8 +30,16 @@ from tricorn.parallel.state import init_parallel
 from tricorn.parallel.step import StepContext
 from tricorn.validation import validate
 
-LOSS_SCALE = 8.0
-TOL = dict(rtol=1e-5, atol=1e-7)
+LOSS_SCALE = 8.0  # a power of two: scaling and unscaling are exact
+# Chunks, reference model and the activations on the wire are float64, so the comparison does not
+# depend on the CPU's summation order. A gradient here is a sum over <= 8 microbatches x 32 tokens
+# of products through <= 8 layers of width <= 128; reordering it (microbatch order, the tied
+# embedding's two halves) errs by <= N * 1.1e-16 * sum|terms| ~ 1e-13 of the largest gradient of the
+# tensor. 1e-10 of that leaves 1000x room on any CPU; a lost or doubled term is O(1) relative.
+GRAD_REL = 1e-10
+# The executor sums the microbatch losses in fp32 (as the trainer logs them): <= 8 positive addends,
+# each rounded to fp32 and added in fp32, err by <= 8 * 6e-8 = 4.8e-7 of the sum in the worst case.
+LOSS_REL = 1e-6
 WORLD = int(os.environ["WORLD_SIZE"])
 
 
@@ -63,6 +71,7 @@ def make_microbatches(cfg, m: int) -> list[Batch]:
 def reference(cfg, mbs: list[Batch], num_tokens: torch.Tensor) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model = GPTModel(cfg.model, padded_vocab_size=cfg.model.padded_vocab_size(1))
     model.init_weights(cfg.training.seed)
+    model.double()
     total = 0.0
     for mb in mbs:
         loss = (model(mb.tokens, mb.labels) * mb.loss_mask).sum() / num_tokens
@@ -86,8 +95,9 @@ def run_case(pp: int, vpp: int, m: int, kind, untied: bool, forward_only: bool) 
     name = f"pp{pp} vpp{vpp} m{m} {kind or 'default'}{' untied' if untied else ''}{' forward-only' if forward_only else ''}"
 
     torch.manual_seed(0)
-    chunks = build_model_chunks(cfg, None, state.pp_rank, 1, state.device)
+    chunks = [c.double() for c in build_model_chunks(cfg, None, state.pp_rank, 1, state.device)]
     executor = PipelineExecutor(cfg, state)
+    executor.p2p.dtype = torch.float64  # activations travel in the parameter dtype; the config has no float64
     mbs = make_microbatches(cfg, m)
     num_tokens = sum(mb.loss_mask.sum() for mb in mbs)
     optimizer = RecordingOptimizer()
@@ -98,7 +108,7 @@ def run_case(pp: int, vpp: int, m: int, kind, untied: bool, forward_only: bool) 
 
     # Loss: the sum of normalised microbatch losses on the last stage, zero elsewhere.
     want = ref_total if state.is_last_stage else 0.0
-    assert abs(total.item() - want) <= 1e-5 * abs(ref_total), f"{name}: rank {state.pp_rank} loss {total.item()} vs {want}"
+    assert abs(total.item() - want) <= LOSS_REL * abs(ref_total), f"{name}: rank {state.pp_rank} loss {total.item()} vs {want}"
 
     # The executor's order and memory are the simulator's.
     schedule = schedule_for(pp, vpp, m, None if vpp > 1 else kind, forward_only)
@@ -109,7 +119,8 @@ def run_case(pp: int, vpp: int, m: int, kind, untied: bool, forward_only: bool) 
         f"{name}: held {executor.peak_in_flight} outputs, simulator {sim.peak_in_flight[state.pp_rank]}"
     )
     sends = sum(a.kind.is_send for a in executor.order)
-    assert executor.p2p.bytes_sent == sends * 2 * 16 * 32 * 4, f"{name}: {executor.p2p.bytes_sent} bytes for {sends} sends"
+    # Exact byte count: micro batch 2 x seq 16 x hidden 32 float64 (8-byte) elements per send.
+    assert executor.p2p.bytes_sent == sends * 2 * 16 * 32 * 8, f"{name}: {executor.p2p.bytes_sent} bytes for {sends} sends"
 
     if forward_only:
         assert optimizer.calls == [], f"{name}: forward-only touched the optimizer"
@@ -125,8 +136,11 @@ def run_case(pp: int, vpp: int, m: int, kind, untied: bool, forward_only: bool) 
             # A tied head copy (last stage) equals the embedding: its value and its reduced gradient.
             ref_name = "tok_embeddings.weight" if (pname == "output.weight" and not untied) else pname
             where = f"{name}: rank {state.pp_rank} {pname}"
-            check(f"{where} init", p, ref_params[ref_name], rtol=0, atol=0)
-            check(f"{where} grad", p.grad / LOSS_SCALE, ref_grads[ref_name], **TOL)
+            check(f"{where} init", p, ref_params[ref_name], rtol=0, atol=0)  # the same init, bit for bit
+            want = ref_grads[ref_name]
+            assert p.grad.dtype == want.dtype == torch.float64, f"{where}: grad {p.grad.dtype}"
+            scale = want.abs().max().item()  # the magnitude of the terms of this tensor's gradient
+            check(f"{where} grad", p.grad / LOSS_SCALE, want, rtol=GRAD_REL, atol=GRAD_REL * scale)
 
 
 CASES = {

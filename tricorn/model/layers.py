@@ -11,6 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x upcast to fp32 for numerically sensitive math; a float64 tensor stays float64 (never rounded down)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 whatever the activation dtype (bf16 statistics drift)."""
 
@@ -20,7 +25,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return F.rms_norm(at_least_fp32(x), (x.shape[-1],), at_least_fp32(self.weight), self.eps).to(x.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -31,7 +36,8 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps).to(x.dtype)
+        weight, bias = at_least_fp32(self.weight), at_least_fp32(self.bias)
+        return F.layer_norm(at_least_fp32(x), (x.shape[-1],), weight, bias, self.eps).to(x.dtype)
 
 
 @dataclass(frozen=True)

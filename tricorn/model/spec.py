@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tricorn.model.dropout import AttentionDropout, attention_with_dropout
-from tricorn.model.layers import LayerNorm, RMSNorm
+from tricorn.model.layers import LayerNorm, RMSNorm, at_least_fp32
 
 
 class Linear(nn.Linear):
@@ -61,8 +61,8 @@ class Embedding(nn.Embedding):
 
 
 def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Per-token loss in fp32; padded vocabulary columns are excluded from the softmax."""
-    logits = logits.float()
+    """Per-token loss in fp32 (float64 stays float64); padded vocabulary columns are excluded from the softmax."""
+    logits = at_least_fp32(logits)
     if logits.shape[-1] > vocab_size:
         logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= vocab_size, float("-inf"))
     return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape)

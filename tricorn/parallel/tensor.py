@@ -36,6 +36,7 @@ from torch import nn
 
 from tricorn.config import Config
 from tricorn.model.init import SHARD_ATTR, ShardInfo, shard_info
+from tricorn.model.layers import at_least_fp32
 from tricorn.model.spec import HeadLinear, LayerSpec, make_norm, masked_cross_entropy
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
@@ -266,7 +267,7 @@ class SequenceScatter(nn.Module):
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, vocab_size, group):
-        logits = logits.float()
+        logits = at_least_fp32(logits)
         start, real = ShardInfo(0, dist.get_rank(group), dist.get_world_size(group), vocab_size).real_range()
         columns = torch.arange(logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(columns >= real, float("-inf"))  # padding never counts
