@@ -29,6 +29,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from tricorn.model.layers import at_least_fp32
+
 ATTENTION_OUTPUT, MLP_OUTPUT, ATTENTION_PROBS = 0, 1, 2
 _MASK64 = (1 << 64) - 1
 
@@ -132,8 +134,7 @@ def attention_with_dropout(
     qf, kf, vf = _fresh_heads(q, heads), _fresh_heads(k, heads), _fresh_heads(v, heads)
     scores = torch.bmm(qf, kf.transpose(1, 2)) * (1.0 / math.sqrt(d))
     allowed = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-    fp32_or_wider = torch.promote_types(scores.dtype, torch.float32)
-    probs = F.softmax(scores.to(fp32_or_wider).masked_fill(~allowed, float("-inf")), dim=-1).to(q.dtype)
+    probs = F.softmax(at_least_fp32(scores).masked_fill(~allowed, float("-inf")), dim=-1).to(q.dtype)
     keep = dropout.keep_mask(heads, q_pos, k_pos, q.device).view(b * heads, sq, -1)
     out = torch.bmm(_KeepAndScale.apply(probs, keep, 1.0 / (1.0 - dropout.p)), vf)
     return out.view(b, heads, sq, d)
