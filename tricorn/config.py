@@ -152,8 +152,13 @@ class DataConfig:
     test_data_path: Optional[list] = _f(None, "Test datasets.", nargs="+")
     split: str = _f("969,30,1", "Train,valid,test proportions of the documents.")
     data_cache_path: Optional[str] = _f(None, "Directory for cached sample indices.")
-    tokenizer_type: str = _f("NullTokenizer", "Tokenizer.", choices=["NullTokenizer", "SentencePieceTokenizer"])
+    tokenizer_type: str = _f(
+        "NullTokenizer",
+        "Tokenizer.",
+        choices=["NullTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"],
+    )
     tokenizer_model: Optional[str] = _f(None, "SentencePiece model file.")
+    legacy_tokenizer: bool = _f(False, "Legacy Megatron tokenizers: NullTokenizer eod V (vocab V+1), Llama2Tokenizer BOS.")
     eval_interval: int = _f(1000, "Evaluate on the validation split every N iterations.")
     eval_iters: int = _f(10, "Validation iterations per evaluation.")
     num_workers: int = _f(0, "Data loader worker processes.")
@@ -516,8 +521,8 @@ def validate(cfg: Config) -> list[str]:
         errs.append("no training data: pass --data-path PREFIX (see `tricorn preprocess`) or --mock-data")
     if d.mock_data and m.vocab_size is None:
         errs.append("--mock-data needs --vocab-size")
-    if d.tokenizer_type == "SentencePieceTokenizer" and not d.tokenizer_model and not d.mock_data:
-        errs.append("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model FILE.model")
+    if d.tokenizer_type != "NullTokenizer" and not d.tokenizer_model and not d.mock_data:
+        errs.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model FILE.model")
     if m.transformer_impl == "transformer_engine" and cfg.device != "cuda":
         errs.append("--transformer-impl transformer_engine needs --device cuda (Transformer Engine has no CPU path)")
     if m.transformer_impl == "transformer_engine" and cfg.device == "cuda":

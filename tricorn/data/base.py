@@ -32,10 +32,21 @@ class Batch:
         return Batch(*(t.to(device, copy=copy) for t in (self.tokens, self.labels, self.loss_mask)))
 
 
-def batch_from_samples(samples: torch.Tensor) -> Batch:
-    """[b, s+1] token samples -> inputs/labels shifted by one, every position counted."""
+def batch_from_samples(samples: torch.Tensor, pad_id: int = -1) -> Batch:
+    """[b, s+1] token samples -> inputs/labels shifted by one.
+
+    As megatron-core's GPTDataset: a position whose label is pad_id is left out
+    of the loss, and pad ids in tokens and labels become 0 (so an id outside
+    the vocabulary still embeds). pad_id < 0: no pad, every position counts.
+    """
     samples = samples.long()
-    return Batch(samples[:, :-1].contiguous(), samples[:, 1:].contiguous(), torch.ones(samples.shape[0], samples.shape[1] - 1))
+    tokens, labels = samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
+    loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
+    if pad_id >= 0:
+        loss_mask[labels == pad_id] = 0.0
+        tokens[tokens == pad_id] = 0
+        labels[labels == pad_id] = 0
+    return Batch(tokens, labels, loss_mask)
 
 
 class SampleSource(Protocol):
@@ -52,8 +63,9 @@ class GlobalBatchLoader:
     The only state is `consumed_samples`; restoring it resumes exactly.
     """
 
-    def __init__(self, source: SampleSource, dp_rank: int, dp_size: int, consumed_samples: int = 0):
+    def __init__(self, source: SampleSource, dp_rank: int, dp_size: int, consumed_samples: int = 0, pad_id: int = -1):
         self.source = source
+        self.pad_id = pad_id  # labels equal to it are left out of the loss (batch_from_samples)
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.consumed_samples = consumed_samples
@@ -65,7 +77,7 @@ class GlobalBatchLoader:
         start = self.consumed_samples + self.dp_rank * per_rank
         samples = torch.stack([torch.as_tensor(self.source[(start + i) % len(self.source)]) for i in range(per_rank)])
         self.consumed_samples += global_batch_size
-        return batch_from_samples(samples)
+        return batch_from_samples(samples, self.pad_id)
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples}

@@ -31,7 +31,7 @@ from tricorn.data.blended import SURPLUS, BlendedDataset, blend_sizes
 from tricorn.data.errors import DataError
 from tricorn.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_ranges
 from tricorn.data.indexed import IndexedDataset
-from tricorn.data.tokenizer import build_tokenizer
+from tricorn.data.tokenizer import build_tokenizer, loss_pad_id
 
 log = logging.getLogger(__name__)
 # Token ids checked against the vocabulary when a run starts: enough to catch the wrong tokenizer, cheap to read.
@@ -173,9 +173,10 @@ def build_loaders(
         datasets = _Datasets()
         sources = [build_split_source(cfg, i, sizes[i], datasets) for i in range(len(SPLIT_NAMES))]
     assert sources[0] is not None
-    train = GlobalBatchLoader(sources[0], dp_rank, dp_size, consumed_samples)
-    valid = GlobalBatchLoader(sources[1], dp_rank, dp_size) if sources[1] is not None else None
-    test = GlobalBatchLoader(sources[2], dp_rank, dp_size) if sources[2] is not None else None
+    pad = -1 if cfg.data.mock_data else loss_pad_id(build_tokenizer(cfg))
+    train = GlobalBatchLoader(sources[0], dp_rank, dp_size, consumed_samples, pad)
+    valid = GlobalBatchLoader(sources[1], dp_rank, dp_size, pad_id=pad) if sources[1] is not None else None
+    test = GlobalBatchLoader(sources[2], dp_rank, dp_size, pad_id=pad) if sources[2] is not None else None
     return train, valid, test
 
 
