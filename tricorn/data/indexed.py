@@ -110,21 +110,17 @@ class IndexedDatasetBuilder:
             self.sequence_modes.extend(modes if modes is not None else [0] * len(lengths))
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Bulk form for preprocessing: many one-sequence documents whose concatenation is `tokens`.
-
-        A length of 0 is a document with no sequence, as Megatron's preprocessing writes a blank one.
-        """
+        """Bulk form for preprocessing: many one-sequence documents whose concatenation is `tokens`."""
         tokens = _as_array(tokens, self.dtype)
         lengths = np.asarray(lengths, dtype=np.int64)
         if int(lengths.sum()) != tokens.size:
             raise ValueError(f"lengths sum to {int(lengths.sum())} but there are {tokens.size} tokens")
         self.data_file.write(tokens.tobytes(order="C"))
         start = len(self.sequence_lengths)
-        sequences = lengths[lengths > 0]
-        self.sequence_lengths.extend(sequences.astype(np.int32).tolist())
-        self.document_indices.extend((start + np.cumsum(lengths > 0)).tolist())
+        self.sequence_lengths.extend(lengths.astype(np.int32).tolist())
+        self.document_indices.extend(range(start + 1, start + 1 + lengths.size))
         if self.sequence_modes is not None:
-            self.sequence_modes.extend([0] * sequences.size)
+            self.sequence_modes.extend([0] * lengths.size)
 
     def end_document(self) -> None:
         """Close the current document (after one or more add_item calls)."""

@@ -245,8 +245,8 @@ def preprocess(
         for result in _ordered_results(read_chunks(inputs), workers, init_args):
             _record_issues(report, result, inputs[result.file_index], strict)
             for key in keys:
-                builders[key].add_documents(
-                    np.frombuffer(result.tokens[key], dtype), np.frombuffer(result.lengths[key], np.int64)
+                write_documents(
+                    builders[key], np.frombuffer(result.tokens[key], dtype), np.frombuffer(result.lengths[key], np.int64)
                 )
             report.documents += result.documents
             report.tokens += len(result.tokens[keys[0]]) // np.dtype(dtype).itemsize
@@ -259,7 +259,7 @@ def preprocess(
                     flush=True,
                 )
                 next_log = (report.documents // log_interval + 1) * log_interval
-        if report.documents == 0:
+        if report.tokens == 0:  # nothing, or only blank documents: surely not what was meant
             raise DataError(f"no usable documents in {' '.join(inputs)} (json keys: {' '.join(keys)}); nothing written")
         for key, prefix in zip(keys, report.outputs):
             builders[key].finalize(index_file_path(prefix))
@@ -269,6 +269,17 @@ def preprocess(
         raise
     report.seconds = time.time() - start
     return report
+
+
+def write_documents(builder: IndexedDatasetBuilder, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    """One-sequence documents, except that a blank (length 0) is a document with no sequence, as Megatron writes it."""
+    doc, tok = 0, 0
+    for blank in np.flatnonzero(lengths == 0).tolist():
+        count = int(lengths[doc:blank].sum())
+        builder.add_documents(tokens[tok : tok + count], lengths[doc:blank])
+        builder.end_document()
+        doc, tok = blank + 1, tok + count
+    builder.add_documents(tokens[tok:], lengths[doc:])
 
 
 def _record_issues(report: Report, result: ChunkResult, path: str, strict: bool) -> None:
