@@ -73,8 +73,18 @@ def cases() -> list[dict]:
         (1500, 10, 20, 11, "969,30,1", 1),
     ]:
         for frac in (0.3, 0.95):
-            out.append(dict(kind="single", lengths=[(n, max_len, seed + 17)], seq=seq, seed=seed, split=split,
-                            epochs=epochs, frac=frac, weights=None))
+            out.append(
+                dict(
+                    kind="single",
+                    lengths=[(n, max_len, seed + 17)],
+                    seq=seq,
+                    seed=seed,
+                    split=split,
+                    epochs=epochs,
+                    frac=frac,
+                    weights=None,
+                )
+            )
     # Blends over --data-path, weighted (also one weighted prefix) and unweighted.
     for specs, weights, seq, seed, split, epochs in [
         ([(700, 10, 1), (900, 8, 2)], [0.3, 0.7], 16, 1234, "969,30,1", 2),
@@ -84,13 +94,21 @@ def cases() -> list[dict]:
         ([(700, 10, 9), (600, 12, 10)], None, 16, 1234, "90,5,5", 1),
         ([(60, 40, 11), (30, 60, 12), (30, 20, 13)], None, 8, 2, "1,1,1", 1),
     ]:
-        out.append(dict(kind="blend", lengths=specs, seq=seq, seed=seed, split=split, epochs=epochs, frac=0.7,
-                        weights=weights))
+        out.append(dict(kind="blend", lengths=specs, seq=seq, seed=seed, split=split, epochs=epochs, frac=0.7, weights=weights))
     # Per-split paths (--train-data-path ... ): one prefix, and a weighted pair.
-    out.append(dict(kind="per_split", lengths=[(70, 40, 21)], seq=16, seed=4, split=None, epochs=3, frac=0.5,
-                    weights=None))
-    out.append(dict(kind="per_split", lengths=[(70, 40, 22), (50, 30, 23)], seq=8, seed=4, split=None, epochs=2,
-                    frac=0.5, weights=[0.4, 0.6]))
+    out.append(dict(kind="per_split", lengths=[(70, 40, 21)], seq=16, seed=4, split=None, epochs=3, frac=0.5, weights=None))
+    out.append(
+        dict(
+            kind="per_split",
+            lengths=[(70, 40, 22), (50, 30, 23)],
+            seq=8,
+            seed=4,
+            split=None,
+            epochs=2,
+            frac=0.5,
+            weights=[0.4, 0.6],
+        )
+    )
     return out
 
 
@@ -125,9 +143,16 @@ def run_case(case: dict, workdir: str, index: int) -> dict[str, np.ndarray]:
     sizes = [train, max(1, train // 10), max(1, train // 20)]
     tokenizer = SimpleNamespace(pad=PAD_ID, eod=EOD_ID, vocab_size=VOCAB, unique_identifiers={"pad": PAD_ID})
     blend = (prefixes, case["weights"])
-    common = dict(random_seed=case["seed"], sequence_length=case["seq"], tokenizer=tokenizer,
-                  reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-                  create_attention_mask=False, path_to_cache=os.path.join(workdir, f"cache{index}"))
+    common = dict(
+        random_seed=case["seed"],
+        sequence_length=case["seq"],
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        path_to_cache=os.path.join(workdir, f"cache{index}"),
+    )
     if case["kind"] == "per_split":
         config = GPTDatasetConfig(blend_per_split=[blend, blend, blend], **common)
     else:

@@ -110,10 +110,13 @@ def test_preprocess_counts_bad_lines_and_keeps_good_documents(tmp_path, sp_model
     assert ds.dtype == np.uint16 and len(ds) == 3 and ds.document_indices.tolist() == [0, 1, 1, 2, 3]
     for i, text in enumerate(good):
         assert ds[i].tolist() == tok.encode(text) + [tok.eod]
-    assert preprocess_main(
-        ["--input", str(src), "--output-prefix", str(out), "--tokenizer-type", "SentencePieceTokenizer"]
-        + ["--tokenizer-model", sp_model, "--append-eod", "--drop-blank-documents"]
-    ) == 0
+    assert (
+        preprocess_main(
+            ["--input", str(src), "--output-prefix", str(out), "--tokenizer-type", "SentencePieceTokenizer"]
+            + ["--tokenizer-model", sp_model, "--append-eod", "--drop-blank-documents"]
+        )
+        == 0
+    )
     report = capsys.readouterr().out
     assert "wrote 3 documents" in report and "skipped 1 empty documents" in report and f"{src}:3" in report
     assert IndexedDataset(str(out) + "_text_document").document_indices.tolist() == [0, 1, 2, 3]
@@ -138,15 +141,23 @@ def test_blank_documents_kept_as_megatron_writes_them(tmp_path):
 def test_legacy_tokenizers(tmp_path, sp_model):
     src = tmp_path / "in.jsonl"
     _write_jsonl(src, [json.dumps({"text": "1 2"})])
-    legacy = preprocess([str(src)], str(tmp_path / "n"), "NullTokenizer", vocab_size=10, append_eod=True, progress=None,
-                        legacy_tokenizer=True)
+    legacy = preprocess(
+        [str(src)], str(tmp_path / "n"), "NullTokenizer", vocab_size=10, append_eod=True, progress=None, legacy_tokenizer=True
+    )
     assert IndexedDataset(legacy.outputs[0])[0].tolist() == [1, 2, 10]  # legacy Megatron: eod is V, vocabulary V + 1
     text_src = tmp_path / "t.jsonl"
     _write_jsonl(text_src, [json.dumps({"text": "hello world"})])
     tok = SentencePieceTokenizer(sp_model)
     for legacy_flag, prefix in ((False, []), (True, [tok.bos])):
-        out = preprocess([str(text_src)], str(tmp_path / f"l{legacy_flag}"), "Llama2Tokenizer", sp_model, append_eod=True,
-                         progress=None, legacy_tokenizer=legacy_flag)
+        out = preprocess(
+            [str(text_src)],
+            str(tmp_path / f"l{legacy_flag}"),
+            "Llama2Tokenizer",
+            sp_model,
+            append_eod=True,
+            progress=None,
+            legacy_tokenizer=legacy_flag,
+        )
         assert IndexedDataset(out.outputs[0])[0].tolist() == prefix + tok.encode("hello world") + [tok.eod]
     with pytest.raises(DataError, match="legacy"):
         preprocess([str(text_src)], str(tmp_path / "s"), "SentencePieceTokenizer", sp_model, progress=None, legacy_tokenizer=True)

@@ -311,9 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="legacy Megatron tokenizers: NullTokenizer eod is id V (vocab V+1); Llama2Tokenizer starts documents with BOS",
     )
-    p.add_argument(
-        "--drop-blank-documents", action="store_true", help="skip (and count) empty or whitespace-only documents"
-    )
+    p.add_argument("--drop-blank-documents", action="store_true", help="skip (and count) empty or whitespace-only documents")
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes (1: in this process)")
     p.add_argument("--strict", action="store_true", help="stop at the first bad line instead of skipping it")
     p.add_argument("--log-interval", type=int, default=10000, help="print progress every N documents (0: never)")
