@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tricorn.data.blended import BlendedDataset, blend_sizes, build_blending_indices
+from tricorn.data.blended import BlendedDataset, blend_sizes, build_blending_indices, normalize_weights
 from tricorn.data.errors import DataError
 from tricorn.data.gpt_dataset import GPTDataset, split_ranges
 from tricorn.data.indexed import IndexedDataset, IndexedDatasetBuilder
@@ -194,6 +194,18 @@ def test_blending_is_megatrons_greedy_interleave():
     for k in (0, 1):  # each dataset's samples are taken in order, each once
         assert indices["dataset_sample_index"][which == k].tolist() == list(range(np.sum(which == k)))
     assert build_blending_indices([0.5, 0.5], 4)["dataset_index"].tolist() == [0, 1, 0, 1]  # ties: lower index
+
+
+def test_vectorised_blend_equals_the_step_by_step_greedy():
+    from tricorn.data.blended import _greedy_steps
+
+    rng = np.random.default_rng(4)
+    for k in (2, 2, 2, 3):
+        weights = normalize_weights(rng.dirichlet(np.ones(k)))
+        size = int(rng.integers(1, 40_000))
+        exact = np.zeros(size, dtype=np.int16)
+        _greedy_steps(weights, np.zeros(k, dtype=np.int64), 0, size, exact)
+        assert np.array_equal(build_blending_indices(weights, size)["dataset_index"], exact), (weights, size)
 
 
 def test_blend_sizes_follow_megatron_core():
