@@ -151,6 +151,9 @@ def build_split_source(
     if blend.weights is None:
         # megatron-core: each dataset one epoch, blended by those epochs' sample counts, at most their sum.
         components = [GPTDataset(indexed, documents, None, seq, seed, cache, name) for indexed, documents, _ in parts]
+        components = [c for c in components if len(c) > 0]  # an epoch shorter than one sample adds nothing
+        if not components:
+            raise DataError(f"the {name} split of {' '.join(blend.prefixes)} holds less than one sample of --seq-length {seq}")
         counts = [len(c) for c in components]
         return BlendedDataset(components, counts, min(num_samples, sum(counts)), cache, name)
     weights = [w for _, _, w in parts]
