@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tricorn.data.blended import BlendedDataset, blending_counts, build_blending_indices
+from tricorn.data.blended import BlendedDataset, blend_sizes, build_blending_indices, normalize_weights
 from tricorn.data.errors import DataError
 from tricorn.data.gpt_dataset import GPTDataset, split_ranges
 from tricorn.data.indexed import IndexedDataset, IndexedDatasetBuilder
@@ -42,9 +42,10 @@ def test_samples_span_documents_in_shuffled_epoch_order(indexed):
     ds = GPTDataset(indexed, documents, num_samples=200, seq_length=seq, seed=3)
     epochs = ds.document_index.size // documents.size
     assert epochs == -(-(200 * seq + 1) // tokens_per_epoch) and ds.document_index.size == epochs * documents.size
-    for epoch in ds.document_index.reshape(epochs, -1):  # every epoch is a permutation of the split's documents
-        assert sorted(epoch.tolist()) == documents.tolist()
-    assert not np.array_equal(ds.document_index[: documents.size], documents)
+    # Megatron shuffles the repeated list as a whole: every document appears `epochs` times, not once per epoch.
+    assert np.bincount(ds.document_index, minlength=45)[5:].tolist() == [epochs] * documents.size
+    assert ds.document_index.dtype == np.int32
+    assert any(sorted(e.tolist()) != documents.tolist() for e in ds.document_index.reshape(epochs, -1))
     assert len(ds) == (epochs * tokens_per_epoch - 1) // seq >= 200
     assert sorted(np.asarray(ds.shuffle_index).tolist()) == list(range(len(ds)))
     # Reference: the documents laid end to end; sample i is seq + 1 tokens starting at shuffle_index[i] * seq.
@@ -65,27 +66,65 @@ def test_short_final_epoch_is_shuffled_separately(indexed):
     ds = GPTDataset(indexed, documents, num_samples=per_epoch + 3, seq_length=seq, seed=1)  # a 2nd epoch barely used
     first = (int(indexed.sequence_lengths.sum()) - 1) // seq
     assert set(np.asarray(ds.shuffle_index[:first]).tolist()) == set(range(first))
+    # ... and its documents are shuffled after, and apart from, the first epoch's.
+    assert sorted(ds.document_index[: documents.size].tolist()) == documents.tolist()
     full = GPTDataset(indexed, documents, num_samples=2 * per_epoch - 2, seq_length=seq, seed=1)  # nearly two epochs: one shuffle
     assert set(np.asarray(full.shuffle_index[:first]).tolist()) != set(range(first))
 
 
-def megatron_split(split: str, n: int) -> list[tuple[int, int]]:
-    """Megatron's parse_and_normalize_split + get_split_indices, written out."""
+def test_one_epoch_when_num_samples_is_none(indexed):
+    ds = GPTDataset(indexed, np.arange(50), None, 8, seed=1)
+    assert ds.document_index.size == 50 and len(ds) == (int(indexed.sequence_lengths.sum()) - 1) // 8
+
+
+def test_first_sample_starts_at_the_first_document_even_when_empty(tmp_path):
+    ds = make_dataset(str(tmp_path / "e"), [0, 5, 0, 7, 9])
+    for seed in range(20):
+        index = GPTDataset(ds, np.arange(5), 4, 3, seed=seed)
+        assert index.sample_index[0].tolist() == [0, 0]  # Megatron's helper: (0, 0), not the first non-empty document
+        flat = np.concatenate([ds[int(d)] for d in index.document_index]).astype(np.int64)
+        assert np.array_equal(index[int(np.flatnonzero(np.asarray(index.shuffle_index) == 0)[0])], flat[:4])
+        if int(ds.sequence_lengths[int(index.document_index[0])]) == 0:
+            break
+    else:
+        raise AssertionError("no seed put an empty document first")
+
+
+def megatron_core_split(split: str, n: int) -> list[tuple[int, int]]:
+    """megatron-core's parse_and_normalize_split + convert_split_vector_to_split_matrix + its rounding, written out."""
     weights = [float(x) for x in split.replace("/", ",").split(",")]
     weights += [0.0] * (3 - len(weights))
     weights = [w / sum(weights) for w in weights]
-    idx = [0]
+    bookends = [0.0]
     for w in weights:
-        idx.append(idx[-1] + int(round(w * float(n))))
-    diff = idx[-1] - n
-    idx[1:] = [i - diff for i in idx[1:]]
-    return [(idx[i], idx[i + 1]) for i in range(3)]
+        bookends.append(bookends[-1] + w)
+    return [
+        (int(round(bookends[i] * float(n))), int(round(bookends[i + 1] * float(n)))) if bookends[i + 1] > bookends[i] else (0, 0)
+        for i in range(3)
+    ]
 
 
-@pytest.mark.parametrize("split", ["969,30,1", "98,2", "1,1,1", "900/50/50", "100"])
+@pytest.mark.parametrize("split", ["969,30,1", "98,2", "1,1,1", "900/50/50", "100", "0,1,1"])
 @pytest.mark.parametrize("n", [1, 7, 359, 1000, 12345])
-def test_split_matches_megatron(split, n):
-    assert split_ranges(split, n) == megatron_split(split, n)
+def test_split_matches_megatron_core(split, n):
+    assert split_ranges(split, n) == megatron_core_split(split, n)
+
+
+def legacy_megatron_lm_split(split: str, n: int) -> list[tuple[int, int]]:
+    """Legacy Megatron-LM's get_split_indices: round each share, the rounding error moves the later bounds."""
+    weights = [float(x) for x in split.split(",")]
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w / sum(weights) * float(n))))
+    excess = bounds[-1] - n
+    bounds[1:] = [b - excess for b in bounds[1:]]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+def test_split_rounds_cumulative_boundaries_not_legacy_shares():
+    # The issue's measurement: with --split 969,30,1 the two rules differ for 4860 of the sizes 1..20000.
+    differ = sum(split_ranges("969,30,1", n) != legacy_megatron_lm_split("969,30,1", n) for n in range(1, 20001))
+    assert differ == 4860
 
 
 def test_split_rejects_nonsense():
@@ -146,33 +185,42 @@ def test_rank0_builds_cache_others_wait_and_read(tmp_path, indexed):
     assert r0["samples"] == r1["samples"]
 
 
-def test_blending_counts_and_interleave():
-    indices = build_blending_indices(blending_counts([0.3, 0.7], 1000))
+def test_blending_is_megatrons_greedy_interleave():
+    indices = build_blending_indices([0.3, 0.7], 1000)
     which = indices["dataset_index"]
-    assert np.bincount(which).tolist() == [300, 700]
-    prefix = np.cumsum(which == 0)  # every prefix within 1 of its 30%
-    # Integer counts against a real target: the greedy interleave keeps every prefix within one sample.
-    assert np.abs(prefix - 0.3 * np.arange(1, 1001)).max() <= 1
+    assert which.dtype == np.int16 and np.bincount(which).tolist() == [300, 700]
+    # The C++ helper's first steps: n=0 and n=1 both use max(n, 1) = 1, so dataset 1 (0.7) goes first, then 0.
+    assert which[:10].tolist() == [1, 0, 1, 1, 0, 1, 1, 0, 1, 1]
     for k in (0, 1):  # each dataset's samples are taken in order, each once
         assert indices["dataset_sample_index"][which == k].tolist() == list(range(np.sum(which == k)))
-    rng = np.random.default_rng(0)
-    for _ in range(20):
-        weights = rng.dirichlet(np.ones(int(rng.integers(2, 30))) * 0.5)
-        size = int(rng.integers(1, 5000))
-        counts = blending_counts(weights, size)
-        # Integer counts: largest-remainder rounding puts each within one sample of weight x size.
-        assert counts.sum() == size and np.all(np.abs(counts - weights * size) < 1)
+    assert build_blending_indices([0.5, 0.5], 4)["dataset_index"].tolist() == [0, 1, 0, 1]  # ties: lower index
+
+
+def test_vectorised_blend_equals_the_step_by_step_greedy():
+    from tricorn.data.blended import _greedy_steps
+
+    rng = np.random.default_rng(4)
+    for k in (2, 2, 2, 3):
+        weights = normalize_weights(rng.dirichlet(np.ones(k)))
+        size = int(rng.integers(1, 40_000))
+        exact = np.zeros(size, dtype=np.int16)
+        _greedy_steps(weights, np.zeros(k, dtype=np.int64), 0, size, exact)
+        assert np.array_equal(build_blending_indices(weights, size)["dataset_index"], exact), (weights, size)
+
+
+def test_blend_sizes_follow_megatron_core():
+    assert blend_sizes([0.3, 0.7], 1000) == [300, 700]
+    assert blend_sizes([1, 2], 10) == [4, 7]  # ceil each share: the blend holds 11 > 10 samples
+    assert blend_sizes([0.3, 0.7], 1000, 0.005) == [302, 704]  # the 0.5% surplus each dataset is built with
 
 
 def test_blended_dataset_draws_by_weight(tmp_path):
     a = make_dataset(str(tmp_path / "a"), [30] * 40, 0, 500, seed=1)
     b = make_dataset(str(tmp_path / "b"), [30] * 40, 500, 1000, seed=2)
-    counts = blending_counts([0.3, 0.7], 1000)
-    parts = [GPTDataset(ds, np.arange(40), int(c), 16, 1) for ds, c in zip((a, b), counts)]
+    parts = [GPTDataset(ds, np.arange(40), int(c), 16, 1) for ds, c in zip((a, b), blend_sizes([0.3, 0.7], 1000, 0.005))]
     blend = BlendedDataset(parts, [0.3, 0.7], 1000, cache_path=str(tmp_path / "cache"))
     from_a = sum(int(blend[i][0] < 500) for i in range(len(blend)))
-    # Integer count: the blend rounds 30% of 1000 to within one sample.
-    assert abs(from_a - 300) <= 1
+    assert from_a == 300
     assert BlendedDataset(parts, [0.3, 0.7], 1000, cache_path=str(tmp_path / "cache")).from_cache
     with pytest.raises(DataError, match="needs|needed"):
         BlendedDataset([parts[0], GPTDataset(b, np.arange(2), 1, 16, 1)], [0.01, 0.99], 1000)

@@ -13,7 +13,7 @@ from tricorn.config import config_from_args
 from tricorn.data.base import MockSamples
 from tricorn.data.indexed import IndexedDatasetBuilder
 from tricorn.data.loader import build_loaders, prepare_vocab
-from tricorn.data.tokenizer import train_sentencepiece
+from tricorn.data.tokenizer import build_tokenizer, train_sentencepiece
 
 ROOT = Path(__file__).resolve().parents[1]
 GBS = 8
@@ -82,7 +82,8 @@ def test_blend_weights_over_1000_samples(data):
     from_a = sum(int(train.source[i][0] < 500) for i in range(1000))
     # Integer counts: the blend rounds each weight x 1000 to within one sample.
     assert abs(from_a - 300) <= 1 and abs((1000 - from_a) - 700) <= 1
-    assert valid is not None and len(valid.source) == (125 // 5 + 1) * 2 * GBS
+    # megatron-core: each dataset contributes ceil(size * weight), so the blend holds 125 + 292 > 416 samples.
+    assert valid is not None and len(valid.source) == 417 and (125 // 5 + 1) * 2 * GBS == 416
 
 
 def test_splits_and_explicit_paths(data):
@@ -141,3 +142,25 @@ def test_prepare_vocab_reports_bad_data(data, tmp_path):
     assert len(errors) == 1 and "no training documents" in errors[0]
     errors = prepare_vocab(make_cfg("--tokenizer-type", "SentencePieceTokenizer", "--data-path", data["a"]))
     assert len(errors) == 1 and "--tokenizer-model" in errors[0]
+
+
+def test_pad_labels_are_masked_for_every_sentencepiece_tokenizer_type(tmp_path, sp_model):
+    prefix = write_dataset(tmp_path / "p_text_document", 60, 0, 8, seed=3)  # ids 0..7: pad (3) is frequent
+    for tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        cfg = make_cfg("--tokenizer-type", tokenizer_type, "--tokenizer-model", sp_model, "--data-path", prefix)
+        assert prepare_vocab(cfg) == [] and cfg.model.vocab_size == 600
+        batch = build_loaders(cfg, 0, 1)[0].next(GBS)
+        pads = batch.loss_mask == 0
+        assert pads.any() and torch.all(batch.labels[pads] == 0) and not torch.any(batch.tokens == 3)
+        assert torch.all(batch.labels[~pads] != 3)
+    cfg = null_cfg([prefix])  # NullTokenizer has no pad: every position counts
+    assert torch.all(build_loaders(cfg, 0, 1)[0].next(GBS).loss_mask == 1)
+
+
+def test_legacy_null_tokenizer_vocabulary(data):
+    cfg = make_cfg("--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--legacy-tokenizer", "--data-path", data["a"])
+    assert prepare_vocab(cfg) == []
+    tok = build_tokenizer(cfg)
+    assert (tok.vocab_size, tok.eod, tok.pad) == (1001, 1000, -1)  # legacy Megatron: eod V on top of V text ids
+    cfg = make_cfg("--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--data-path", data["a"])
+    assert prepare_vocab(cfg) == [] and (build_tokenizer(cfg).vocab_size, build_tokenizer(cfg).eod) == (1000, 999)

@@ -100,15 +100,67 @@ def test_preprocess_counts_bad_lines_and_keeps_good_documents(tmp_path, sp_model
     )
     assert rc == 0
     report = capsys.readouterr().out
-    assert "wrote 3 documents" in report
+    assert "wrote 4 documents" in report  # the empty one is kept, as Megatron keeps it
     assert "skipped 2 bad lines" in report and "malformed JSON 1" in report and "missing key 'text' 1" in report
     assert f"{src}:2 (malformed JSON)" in report and f"{src}:4 (missing key 'text')" in report
-    assert "skipped 1 empty documents" in report and f"{src}:3" in report
+    assert "empty documents" not in report
     tok = SentencePieceTokenizer(sp_model)
     ds = IndexedDataset(str(out) + "_text_document")
-    assert ds.dtype == np.uint16 and len(ds) == 3 and ds.document_indices.tolist() == [0, 1, 2, 3]
+    # Megatron writes a blank document as a document with no sequence and no eod.
+    assert ds.dtype == np.uint16 and len(ds) == 3 and ds.document_indices.tolist() == [0, 1, 1, 2, 3]
     for i, text in enumerate(good):
         assert ds[i].tolist() == tok.encode(text) + [tok.eod]
+    assert (
+        preprocess_main(
+            ["--input", str(src), "--output-prefix", str(out), "--tokenizer-type", "SentencePieceTokenizer"]
+            + ["--tokenizer-model", sp_model, "--append-eod", "--drop-blank-documents"]
+        )
+        == 0
+    )
+    report = capsys.readouterr().out
+    assert "wrote 3 documents" in report and "skipped 1 empty documents" in report and f"{src}:3" in report
+    assert IndexedDataset(str(out) + "_text_document").document_indices.tolist() == [0, 1, 2, 3]
+
+
+def test_blank_documents_kept_as_megatron_writes_them(tmp_path):
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [json.dumps({"text": t}) for t in ["1 2", "   ", "3", "", "4 5 6"]])
+    kept = preprocess([str(src)], str(tmp_path / "k"), "NullTokenizer", vocab_size=10, append_eod=True, progress=None)
+    ds = IndexedDataset(kept.outputs[0])
+    assert kept.documents == 5 and [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 9], [3, 9], [4, 5, 6, 9]]
+    assert ds.document_indices.tolist() == [0, 1, 1, 2, 2, 3]  # blank: a document without a sequence (or eod)
+    dropped = preprocess(
+        [str(src)], str(tmp_path / "d"), "NullTokenizer", vocab_size=10, append_eod=True, progress=None, drop_blank_documents=True
+    )
+    assert dropped.documents == 3 and dropped.empty == 2
+    assert IndexedDataset(dropped.outputs[0]).document_indices.tolist() == [0, 1, 2, 3]
+    for ext in (".bin",):
+        assert (tmp_path / f"k_text_document{ext}").read_bytes() == (tmp_path / f"d_text_document{ext}").read_bytes()
+
+
+def test_legacy_tokenizers(tmp_path, sp_model):
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [json.dumps({"text": "1 2"})])
+    legacy = preprocess(
+        [str(src)], str(tmp_path / "n"), "NullTokenizer", vocab_size=10, append_eod=True, progress=None, legacy_tokenizer=True
+    )
+    assert IndexedDataset(legacy.outputs[0])[0].tolist() == [1, 2, 10]  # legacy Megatron: eod is V, vocabulary V + 1
+    text_src = tmp_path / "t.jsonl"
+    _write_jsonl(text_src, [json.dumps({"text": "hello world"})])
+    tok = SentencePieceTokenizer(sp_model)
+    for legacy_flag, prefix in ((False, []), (True, [tok.bos])):
+        out = preprocess(
+            [str(text_src)],
+            str(tmp_path / f"l{legacy_flag}"),
+            "Llama2Tokenizer",
+            sp_model,
+            append_eod=True,
+            progress=None,
+            legacy_tokenizer=legacy_flag,
+        )
+        assert IndexedDataset(out.outputs[0])[0].tolist() == prefix + tok.encode("hello world") + [tok.eod]
+    with pytest.raises(DataError, match="legacy"):
+        preprocess([str(text_src)], str(tmp_path / "s"), "SentencePieceTokenizer", sp_model, progress=None, legacy_tokenizer=True)
 
 
 def test_preprocess_workers_gz_multiple_inputs_and_keys(tmp_path, corpus, sp_model):

@@ -162,8 +162,13 @@ class DataConfig:
     test_data_path: Optional[list] = _f(None, "Test datasets.", nargs="+")
     split: str = _f("969,30,1", "Train,valid,test proportions of the documents.")
     data_cache_path: Optional[str] = _f(None, "Directory for cached sample indices.")
-    tokenizer_type: str = _f("NullTokenizer", "Tokenizer.", choices=["NullTokenizer", "SentencePieceTokenizer"])
+    tokenizer_type: str = _f(
+        "NullTokenizer",
+        "Tokenizer.",
+        choices=["NullTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"],
+    )
     tokenizer_model: Optional[str] = _f(None, "SentencePiece model file.")
+    legacy_tokenizer: bool = _f(False, "Legacy Megatron tokenizers: NullTokenizer eod V (vocab V+1), Llama2Tokenizer BOS.")
     eval_interval: int = _f(1000, "Evaluate on the validation split every N iterations.")
     eval_iters: int = _f(10, "Validation iterations per evaluation.")
     num_workers: int = _f(0, "Data loader worker processes.")

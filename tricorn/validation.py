@@ -90,8 +90,8 @@ def validate(cfg: Config) -> list[str]:
         errs.append("no training data: pass --data-path PREFIX (see `tricorn preprocess`) or --mock-data")
     if d.mock_data and m.vocab_size is None:
         errs.append("--mock-data needs --vocab-size")
-    if d.tokenizer_type == "SentencePieceTokenizer" and not d.tokenizer_model and not d.mock_data:
-        errs.append("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model FILE.model")
+    if d.tokenizer_type != "NullTokenizer" and not d.tokenizer_model and not d.mock_data:
+        errs.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model FILE.model")
     if m.transformer_impl == "transformer_engine" and cfg.device != "cuda":
         errs.append("--transformer-impl transformer_engine needs --device cuda (Transformer Engine has no CPU path)")
     if m.transformer_impl == "transformer_engine" and cfg.device == "cuda":

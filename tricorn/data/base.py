@@ -36,11 +36,21 @@ class Batch:
         return Batch(*(t.to(device, copy=copy) for t in (self.tokens, self.labels, self.loss_mask)), self.sample_ids)
 
 
-def batch_from_samples(samples: torch.Tensor, sample_ids: Optional[tuple[int, ...]] = None) -> Batch:
-    """[b, s+1] token samples -> inputs/labels shifted by one, every position counted."""
+def batch_from_samples(samples: torch.Tensor, pad_id: int = -1, sample_ids: Optional[tuple[int, ...]] = None) -> Batch:
+    """[b, s+1] token samples -> inputs/labels shifted by one.
+
+    As megatron-core's GPTDataset: a position whose label is pad_id is left out
+    of the loss, and pad ids in tokens and labels become 0 (so an id outside
+    the vocabulary still embeds). pad_id < 0: no pad, every position counts.
+    """
     samples = samples.long()
-    ones = torch.ones(samples.shape[0], samples.shape[1] - 1)
-    return Batch(samples[:, :-1].contiguous(), samples[:, 1:].contiguous(), ones, sample_ids)
+    tokens, labels = samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
+    loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
+    if pad_id >= 0:
+        loss_mask[labels == pad_id] = 0.0
+        tokens[tokens == pad_id] = 0
+        labels[labels == pad_id] = 0
+    return Batch(tokens, labels, loss_mask, sample_ids)
 
 
 class SampleSource(Protocol):
@@ -57,8 +67,9 @@ class GlobalBatchLoader:
     The only state is `consumed_samples`; restoring it resumes exactly.
     """
 
-    def __init__(self, source: SampleSource, dp_rank: int, dp_size: int, consumed_samples: int = 0):
+    def __init__(self, source: SampleSource, dp_rank: int, dp_size: int, consumed_samples: int = 0, pad_id: int = -1):
         self.source = source
+        self.pad_id = pad_id  # labels equal to it are left out of the loss (batch_from_samples)
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.consumed_samples = consumed_samples
@@ -70,7 +81,7 @@ class GlobalBatchLoader:
         start = self.consumed_samples + self.dp_rank * per_rank
         samples = torch.stack([torch.as_tensor(self.source[(start + i) % len(self.source)]) for i in range(per_rank)])
         self.consumed_samples += global_batch_size
-        return batch_from_samples(samples, tuple(range(start, start + per_rank)))
+        return batch_from_samples(samples, self.pad_id, tuple(range(start, start + per_rank)))
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples}

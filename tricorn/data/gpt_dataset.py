@@ -1,20 +1,33 @@
 """GPT samples over an indexed dataset: seq_length + 1 tokens that run across document boundaries.
 
-Megatron's three indices, built with vectorised numpy (no C++ helper):
-  document_index  the split's documents, each epoch a fresh permutation (so
-                  every document appears once per epoch), epochs concatenated;
+The three indices are megatron-core's (0.19), element for element, so sample i
+here is sample i of megatron-core's GPTDataset for the same data, split,
+sample count, seq_length and seed (tests/test_data_megatron.py checks this
+against fixtures made by megatron-core itself). Built with vectorised numpy,
+no C++ helper:
+  document_index  the split's documents repeated once per epoch and shuffled
+                  as one list (int32), one numpy RandomState(seed) draw; with a
+                  separate final epoch (below), the first epochs and the final
+                  one are shuffled apart, in that order, from the same generator;
   sample_index    [num_samples + 1, 2]: (position in document_index, token
                   offset) where sample i starts; sample i runs to the start
-                  of sample i + 1 inclusive (the extra token is the last label);
-  shuffle_index   a permutation of the samples (a short final epoch, < 80% of
-                  a full one, is shuffled separately and comes last, as in
-                  Megatron, so it does not skew the early samples).
+                  of sample i + 1 inclusive (the extra token is the last label).
+                  Entry 0 is (0, 0) even when that document is empty, as in
+                  Megatron's helper;
+  shuffle_index   a permutation of the samples (uint32), drawn after the
+                  document shuffle. When the samples wanted from the final
+                  epoch are fewer than 80% of an epoch's, the final epoch's
+                  samples are shuffled separately and come last, so they do
+                  not skew the early samples.
+num_samples=None builds exactly one epoch (Megatron's unweighted blends).
 Sample i depends only on the data, the split, the sample count, seq_length and
 the seed, never on the rank or the DP size. The indices are cached through
 tricorn.data.cache (rank 0 builds, others wait and memory-map).
 
-Split: `--split 969,30,1` gives the first round(969/1000 * n) documents to
-train, the next to valid, the rest to test (Megatron's get_split_indices).
+Split: `--split 969,30,1` normalises the weights, takes their running sums
+c_0 = 0, c_1, c_2, c_3 = 1 and gives split k the sequences
+[round(c_k * n), round(c_{k+1} * n)) (megatron-core's rounding of the
+cumulative boundaries; a split whose weight is 0 gets nothing).
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ from tricorn.data.errors import DataError
 from tricorn.data.indexed import IndexedDataset, data_file_path, index_file_path
 
 SPLIT_NAMES = ("train", "valid", "test")
-INDEX_FORMAT = 1  # bump when the index construction changes, so old caches are not reused
+INDEX_FORMAT = 2  # bump when the index construction changes, so old caches are not reused
 FINAL_EPOCH_THRESHOLD = 0.80
 
 
@@ -41,27 +54,51 @@ def parse_split(split: str) -> list[float]:
     if not parts or len(parts) > 3 or sum(parts) <= 0:
         raise DataError(f"--split {split!r} must be up to three non-negative proportions such as 969,30,1")
     parts += [0.0] * (3 - len(parts))
-    return [p / sum(parts) for p in parts]
+    return (np.asarray(parts, dtype=np.float64) / np.sum(parts)).tolist()
 
 
 def split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
-    """[begin, end) document ranges of train/valid/test; rounding error goes to the last split, as Megatron does."""
-    bounds = [0]
+    """[begin, end) document ranges of train/valid/test: megatron-core rounds each cumulative boundary."""
+    bounds = [0.0]
     for share in parse_split(split):
-        bounds.append(bounds[-1] + int(round(share * float(num_documents))))
-    excess = bounds[-1] - num_documents
-    bounds[1:] = [b - excess for b in bounds[1:]]
-    return [(max(bounds[i], 0), max(bounds[i + 1], 0)) for i in range(3)]
+        bounds.append(bounds[-1] + share)  # running float sums, as megatron-core adds them
+    ranges = []
+    for k in range(3):
+        if bounds[k + 1] <= bounds[k]:  # a zero-weight split: megatron-core builds no dataset
+            ranges.append((0, 0))
+            continue
+        ranges.append((int(round(bounds[k] * float(num_documents))), int(round(bounds[k + 1] * float(num_documents)))))
+    return ranges
 
 
-def _int_dtype(max_value: int) -> type:
-    return np.int32 if max_value < np.iinfo(np.int32).max else np.int64
+def num_epochs_for(tokens_per_epoch: int, num_samples: Optional[int], seq_length: int) -> int:
+    """Fewest whole epochs that hold num_samples samples of seq_length + 1 tokens (1 for num_samples=None)."""
+    if num_samples is None:
+        return 1
+    needed = num_samples * seq_length + 1  # +1: the last label
+    return max(1, -(-needed // tokens_per_epoch))
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
-    """Each epoch a fresh permutation of the documents, epochs concatenated."""
-    dtype = _int_dtype(int(documents.max()) if documents.size else 0)
-    return np.concatenate([rng.permutation(documents).astype(dtype) for _ in range(num_epochs)])
+def separate_final_epoch(tokens_per_epoch: int, num_samples: Optional[int], seq_length: int) -> bool:
+    """Whether the final epoch is used so little (< 80% of an epoch's samples) that it is shuffled on its own."""
+    num_epochs = num_epochs_for(tokens_per_epoch, num_samples, seq_length)
+    if num_epochs == 1 or num_samples is None:
+        return False
+    samples_before_final = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+    samples_per_epoch = (tokens_per_epoch - 1) // seq_length
+    return num_samples - samples_before_final < int(FINAL_EPOCH_THRESHOLD * samples_per_epoch)
+
+
+def build_document_index(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final: bool = False
+) -> np.ndarray:
+    """The documents once per epoch, shuffled as one list; a separate final epoch is shuffled after the rest."""
+    if separate_final and num_epochs > 1:
+        first = build_document_index(documents, num_epochs - 1, rng)
+        return np.concatenate([first, build_document_index(documents, 1, rng)])
+    index = np.tile(np.asarray(documents), num_epochs).astype(np.int32)
+    rng.shuffle(index)
+    return index
 
 
 def build_sample_index(document_lengths: np.ndarray, seq_length: int) -> np.ndarray:
@@ -77,7 +114,9 @@ def build_sample_index(document_lengths: np.ndarray, seq_length: int) -> np.ndar
     # side="right": a boundary on a document's first token belongs to it; empty documents are stepped over.
     doc_pos = np.searchsorted(ends, positions, side="right")
     offsets = positions - (ends[doc_pos] - document_lengths[doc_pos])
-    dtype = _int_dtype(max(int(doc_pos[-1]), int(offsets.max())) if num_samples else 0)
+    doc_pos[0], offsets[0] = 0, 0  # Megatron starts at the first document even when it is empty
+    top = max(document_lengths.size, int(document_lengths.max()) if document_lengths.size else 0)
+    dtype = np.int32 if top <= np.iinfo(np.int32).max else np.int64
     return np.stack([doc_pos, offsets], axis=1).astype(dtype)
 
 
@@ -94,42 +133,40 @@ def build_shuffle_index(num_samples: int, total: int, rng: np.random.RandomState
 
 
 def build_indices(
-    sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int
+    sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: Optional[int], seq_length: int, seed: int
 ) -> dict[str, np.ndarray]:
     """The three index arrays for at least num_samples samples (whole epochs, as Megatron)."""
     tokens_per_epoch = int(sequence_lengths[documents].sum(dtype=np.int64))
-    if tokens_per_epoch == 0:
-        raise DataError("the documents of this split hold no tokens")
-    needed = num_samples * seq_length + 1  # +1: the last label
-    num_epochs = max(1, -(-needed // tokens_per_epoch))
-    separate_final_epoch = False
-    if num_epochs > 1:
-        samples_before_final = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
-        samples_per_epoch = (tokens_per_epoch - 1) // seq_length
-        separate_final_epoch = num_samples - samples_before_final < int(FINAL_EPOCH_THRESHOLD * samples_per_epoch)
+    if tokens_per_epoch <= 1:
+        raise DataError(f"the documents of this split hold {tokens_per_epoch} tokens; a sample needs at least 2")
+    num_epochs = num_epochs_for(tokens_per_epoch, num_samples, seq_length)
+    separate = separate_final_epoch(tokens_per_epoch, num_samples, seq_length)
     rng = np.random.RandomState(seed)
-    document_index = build_document_index(documents, num_epochs, rng)
+    document_index = build_document_index(documents, num_epochs, rng, separate)
     sample_index = build_sample_index(sequence_lengths[document_index].astype(np.int64), seq_length)
     total = sample_index.shape[0] - 1
-    first_part = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length if separate_final_epoch else total
+    first_part = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length if separate else total
     shuffle_index = build_shuffle_index(first_part, total, rng)
     return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
 
 class GPTDataset:
-    """Sample i (i < len) is an int64 array of seq_length + 1 tokens; implements base.SampleSource."""
+    """Sample i (i < len) is an int64 array of seq_length + 1 tokens; implements base.SampleSource.
+
+    num_samples=None: exactly one epoch of samples.
+    """
 
     def __init__(
         self,
         indexed: IndexedDataset,
         documents: np.ndarray,
-        num_samples: int,
+        num_samples: Optional[int],
         seq_length: int,
         seed: int,
         cache_path: Optional[str] = None,
         split: str = "train",
     ):
-        if num_samples < 1:
+        if num_samples is not None and num_samples < 1:
             raise ValueError(f"num_samples must be at least 1, got {num_samples}")
         self.indexed = indexed
         self.documents = np.asarray(documents, dtype=np.int64)

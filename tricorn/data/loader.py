@@ -5,7 +5,8 @@ Sources per split (train, valid, test):
   otherwise --data-path P...         each dataset is cut by documents with --split;
   --mock-data                        MockSamples (seed for train, seed+1 valid, seed+2 test).
 A path list is one prefix, WEIGHT PREFIX pairs (blended by weight), or several
-prefixes without weights (blended by their tokens). Sizes: train_iters x global
+prefixes without weights (each one epoch, blended by its sample count: megatron-core's
+rules, see tricorn.data.blended). Sizes: train_iters x global
 batch samples for train, (train_iters // eval_interval + 1) x eval_iters x
 global batch for valid, eval_iters x global batch for test (Megatron's).
 
@@ -26,11 +27,11 @@ from typing import Any, Optional
 import numpy as np
 
 from tricorn.data.base import GlobalBatchLoader, MockSamples, SampleSource
-from tricorn.data.blended import BlendedDataset, blending_counts
+from tricorn.data.blended import SURPLUS, BlendedDataset, blend_sizes
 from tricorn.data.errors import DataError
 from tricorn.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_ranges
 from tricorn.data.indexed import IndexedDataset
-from tricorn.data.tokenizer import build_tokenizer
+from tricorn.data.tokenizer import build_tokenizer, loss_pad_id
 
 log = logging.getLogger(__name__)
 # Token ids checked against the vocabulary when a run starts: enough to catch the wrong tokenizer, cheap to read.
@@ -127,7 +128,7 @@ def build_split_source(
         indexed = datasets(prefix)
         beg, end = split_ranges(split, len(indexed))[split_index] if split is not None else (0, len(indexed))
         documents = np.arange(beg, end, dtype=np.int64)
-        weight = blend.weights[k] if blend.weights is not None else float(indexed.sequence_lengths[beg:end].sum(dtype=np.int64))
+        weight = blend.weights[k] if blend.weights is not None else 1.0
         if documents.size == 0 or weight <= 0:
             if blend.weights is not None and weight > 0 and name == "train":
                 raise DataError(f"the train split of {prefix} has no documents (--split {split}); give train a larger share")
@@ -143,18 +144,22 @@ def build_split_source(
         report("the %s split of %s has no documents (--split %s); no %s loader", name, " ".join(blend.prefixes), split, name)
         return None
     seq, seed, cache = cfg.model.seq_length, cfg.training.seed, cfg.data.data_cache_path
-    if len(parts) == 1:
+    # megatron-core blends even one weighted --data-path prefix (not one --train-data-path prefix).
+    if len(blend.prefixes) == 1 and (blend.weights is None or split is None):
         indexed, documents, _ = parts[0]
         return GPTDataset(indexed, documents, num_samples, seq, seed, cache, name)
+    if blend.weights is None:
+        # megatron-core: each dataset one epoch, blended by those epochs' sample counts, at most their sum.
+        components = [GPTDataset(indexed, documents, None, seq, seed, cache, name) for indexed, documents, _ in parts]
+        components = [c for c in components if len(c) > 0]  # an epoch shorter than one sample adds nothing
+        if not components:
+            raise DataError(f"the {name} split of {' '.join(blend.prefixes)} holds less than one sample of --seq-length {seq}")
+        counts = [len(c) for c in components]
+        return BlendedDataset(components, counts, min(num_samples, sum(counts)), cache, name)
     weights = [w for _, _, w in parts]
-    counts = blending_counts(weights, num_samples)
-    components = [
-        GPTDataset(indexed, documents, int(count), seq, seed, cache, name)
-        for (indexed, documents, _), count in zip(parts, counts)
-        if count > 0
-    ]
-    kept = [w for w, count in zip(weights, counts) if count > 0]
-    return BlendedDataset(components, kept, num_samples, cache, name)
+    built = blend_sizes(weights, num_samples, SURPLUS)
+    components = [GPTDataset(indexed, documents, n, seq, seed, cache, name) for (indexed, documents, _), n in zip(parts, built)]
+    return BlendedDataset(components, weights, sum(blend_sizes(weights, num_samples)), cache, name)
 
 
 def build_loaders(
@@ -171,9 +176,10 @@ def build_loaders(
         datasets = _Datasets()
         sources = [build_split_source(cfg, i, sizes[i], datasets) for i in range(len(SPLIT_NAMES))]
     assert sources[0] is not None
-    train = GlobalBatchLoader(sources[0], dp_rank, dp_size, consumed_samples)
-    valid = GlobalBatchLoader(sources[1], dp_rank, dp_size) if sources[1] is not None else None
-    test = GlobalBatchLoader(sources[2], dp_rank, dp_size) if sources[2] is not None else None
+    pad = -1 if cfg.data.mock_data else loss_pad_id(build_tokenizer(cfg))
+    train = GlobalBatchLoader(sources[0], dp_rank, dp_size, consumed_samples, pad)
+    valid = GlobalBatchLoader(sources[1], dp_rank, dp_size, pad_id=pad) if sources[1] is not None else None
+    test = GlobalBatchLoader(sources[2], dp_rank, dp_size, pad_id=pad) if sources[2] is not None else None
     return train, valid, test
 
 

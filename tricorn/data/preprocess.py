@@ -7,8 +7,11 @@ Each input line is one JSON object; every --json-keys field is tokenized into
 its own output, one document per line, in input order whatever --workers is.
 Bad lines (malformed JSON, not an object, missing key, non-string value,
 untokenizable text) are counted and skipped; --strict makes the first one
-fatal. Empty (whitespace-only) documents are skipped and counted. A line goes
-to every key's output or to none, so the outputs stay aligned.
+fatal. Blank (empty or whitespace-only) documents are kept as Megatron's
+tools/preprocess_data.py keeps them: their tokens, if the tokenizer gives any,
+else a document with no sequence (and no eod); --drop-blank-documents skips
+and counts them instead. A line goes to every key's output or to none, so the
+outputs stay aligned.
 
 Workers (--workers N > 1) are spawned processes that tokenize chunks of lines;
 the main process reads, writes, and keeps at most 2N chunks in flight, so
@@ -96,12 +99,18 @@ _settings: dict = {}
 
 
 def _init_worker(
-    tokenizer_type: str, tokenizer_model: Optional[str], vocab_size: Optional[int], keys: list[str], append_eod: bool
+    tokenizer_type: str,
+    tokenizer_model: Optional[str],
+    vocab_size: Optional[int],
+    keys: list[str],
+    append_eod: bool,
+    legacy: bool = False,
+    drop_blank: bool = False,
 ) -> None:
     global _tokenizer, _settings
-    _tokenizer = build_tokenizer_from(tokenizer_type, tokenizer_model, vocab_size)
+    _tokenizer = build_tokenizer_from(tokenizer_type, tokenizer_model, vocab_size, legacy)
     typecode = "H" if best_token_dtype(_tokenizer.vocab_size) == np.uint16 else "i"
-    _settings = dict(keys=keys, append_eod=append_eod, typecode=typecode)
+    _settings = dict(keys=keys, append_eod=append_eod, typecode=typecode, drop_blank=drop_blank)
 
 
 def _document_texts(raw: bytes, keys: list[str]) -> tuple[Optional[list[str]], str, str]:
@@ -137,7 +146,7 @@ def encode_chunk(chunk: Chunk) -> ChunkResult:
         if texts is None:
             issues.append((line_no, kind, detail))
             continue
-        if any(not t.strip() for t in texts):
+        if _settings["drop_blank"] and any(not t.strip() for t in texts):
             issues.append((line_no, EMPTY, ""))
             continue
         try:
@@ -146,7 +155,7 @@ def encode_chunk(chunk: Chunk) -> ChunkResult:
             issues.append((line_no, "cannot tokenize", str(e).splitlines()[0] if str(e) else type(e).__name__))
             continue
         for key, ids in zip(keys, encoded):
-            if append_eod:
+            if append_eod and ids:  # Megatron ends only a non-empty document with eod
                 ids.append(eod)
             tokens[key].extend(ids)
             lengths[key].append(len(ids))
@@ -216,13 +225,15 @@ def preprocess(
     strict: bool = False,
     log_interval: int = 10000,
     progress=sys.stderr,
+    legacy_tokenizer: bool = False,
+    drop_blank_documents: bool = False,
 ) -> Report:
     """Tokenize `inputs` into one .bin/.idx pair per key; raises DataError on unusable input (or any bad line with strict)."""
     for path in inputs:
         if not os.path.isfile(path):
             raise DataError(f"--input {path} does not exist")
     keys = list(json_keys)
-    tokenizer = build_tokenizer_from(tokenizer_type, tokenizer_model, vocab_size)  # fail here, not in a worker
+    tokenizer = build_tokenizer_from(tokenizer_type, tokenizer_model, vocab_size, legacy_tokenizer)  # fail here, not in a worker
     dtype = best_token_dtype(tokenizer.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     report = Report(outputs=[output_prefix_for(output_prefix, k) for k in keys])
@@ -230,12 +241,12 @@ def preprocess(
     start = time.time()
     next_log = log_interval
     try:
-        init_args = (tokenizer_type, tokenizer_model, vocab_size, keys, append_eod)
+        init_args = (tokenizer_type, tokenizer_model, vocab_size, keys, append_eod, legacy_tokenizer, drop_blank_documents)
         for result in _ordered_results(read_chunks(inputs), workers, init_args):
             _record_issues(report, result, inputs[result.file_index], strict)
             for key in keys:
-                builders[key].add_documents(
-                    np.frombuffer(result.tokens[key], dtype), np.frombuffer(result.lengths[key], np.int64)
+                write_documents(
+                    builders[key], np.frombuffer(result.tokens[key], dtype), np.frombuffer(result.lengths[key], np.int64)
                 )
             report.documents += result.documents
             report.tokens += len(result.tokens[keys[0]]) // np.dtype(dtype).itemsize
@@ -248,7 +259,7 @@ def preprocess(
                     flush=True,
                 )
                 next_log = (report.documents // log_interval + 1) * log_interval
-        if report.documents == 0:
+        if report.tokens == 0:  # nothing, or only blank documents: surely not what was meant
             raise DataError(f"no usable documents in {' '.join(inputs)} (json keys: {' '.join(keys)}); nothing written")
         for key, prefix in zip(keys, report.outputs):
             builders[key].finalize(index_file_path(prefix))
@@ -258,6 +269,17 @@ def preprocess(
         raise
     report.seconds = time.time() - start
     return report
+
+
+def write_documents(builder: IndexedDatasetBuilder, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    """One-sequence documents, except that a blank (length 0) is a document with no sequence, as Megatron writes it."""
+    doc, tok = 0, 0
+    for blank in np.flatnonzero(lengths == 0).tolist():
+        count = int(lengths[doc:blank].sum())
+        builder.add_documents(tokens[tok : tok + count], lengths[doc:blank])
+        builder.end_document()
+        doc, tok = blank + 1, tok + count
+    builder.add_documents(tokens[tok:], lengths[doc:])
 
 
 def _record_issues(report: Report, result: ChunkResult, path: str, strict: bool) -> None:
@@ -284,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-model", default=None, help="sentencepiece .model file")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary of the NullTokenizer (text is token ids)")
     p.add_argument("--append-eod", action="store_true", help="end every document with the tokenizer's eod id")
+    p.add_argument(
+        "--legacy-tokenizer",
+        action="store_true",
+        help="legacy Megatron tokenizers: NullTokenizer eod is id V (vocab V+1); Llama2Tokenizer starts documents with BOS",
+    )
+    p.add_argument("--drop-blank-documents", action="store_true", help="skip (and count) empty or whitespace-only documents")
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes (1: in this process)")
     p.add_argument("--strict", action="store_true", help="stop at the first bad line instead of skipping it")
     p.add_argument("--log-interval", type=int, default=10000, help="print progress every N documents (0: never)")
@@ -308,6 +336,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             args.workers,
             args.strict,
             args.log_interval,
+            legacy_tokenizer=args.legacy_tokenizer,
+            drop_blank_documents=args.drop_blank_documents,
         )
     except DataError as e:
         print(f"tricorn preprocess: error: {e}", file=sys.stderr)

@@ -1,12 +1,19 @@
 """Tokenizers (NullTokenizer, SentencePieceTokenizer) and `tricorn tokenizer train`.
 
-Both share one small interface: encode, decode, vocab_size, eod, pad.
+Both share one small interface: encode, decode, vocab_size, eod, pad (pad -1:
+none). Every Megatron --tokenizer-type is accepted, by preprocessing and by
+training alike, with megatron-core (>= 0.18) semantics:
 
-- NullTokenizer(V): text is whitespace-separated token ids; the vocabulary is
-  the model's --vocab-size V and eod is V - 1 (Megatron's NullTokenizer keeps V
-  ids and adds eod as id V; data made that way trains here with --vocab-size V+1).
-- SentencePieceTokenizer(model): vocab_size is the model's piece count and eod
-  its </s> id, as Megatron's GPTSentencePieceTokenizer (the Llama convention).
+- NullTokenizer(V): text is whitespace-separated token ids; vocabulary V, eod
+  V - 1, no pad. With --legacy-tokenizer, legacy Megatron's: eod is id V on
+  top of the V text ids, vocabulary V + 1.
+- SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer (model):
+  vocab_size is the model's piece count, eod its </s> id, pad its <pad> id
+  (none when it has none); no BOS. With --legacy-tokenizer, Llama2Tokenizer
+  puts BOS before every document as legacy Megatron's did (legacy
+  SentencePieceTokenizer, with its own added special tokens, is refused).
+- loss_pad_id: the id whose labels are left out of the loss, -1 when the pad
+  id is missing or shared with eod/BOS (megatron-core then masks nothing).
 
 `tricorn tokenizer train` runs sentencepiece's own BPE trainer with settings
 that suit source code as well as prose: identity normalisation and kept
@@ -32,7 +39,8 @@ class Tokenizer(Protocol):
     name: str
     vocab_size: int
     eod: int
-    pad: int
+    pad: int  # -1: none
+    bos: int  # -1: none
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -43,19 +51,22 @@ class NullTokenizer:
     """Text is already token ids separated by whitespace; ids must lie in [0, vocab_size)."""
 
     name = "NullTokenizer"
+    pad = -1  # megatron-core's NullTokenizer has none
+    bos = -1
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, legacy: bool = False):
         if vocab_size < 2:
             raise DataError(f"NullTokenizer needs --vocab-size of at least 2, got {vocab_size}")
-        self.vocab_size = int(vocab_size)
+        # Legacy Megatron adds eod as id V after the V text ids; megatron-core makes eod the last of V ids.
+        self.vocab_size = int(vocab_size) + (1 if legacy else 0)
         self.eod = self.vocab_size - 1
-        self.pad = self.eod
+        self._text_ids = int(vocab_size)
 
     def encode(self, text: str) -> list[int]:
         ids = [int(x) for x in text.split()]
         for i in ids:
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+            if not 0 <= i < self._text_ids:
+                raise ValueError(f"token id {i} is outside the vocabulary [0, {self._text_ids})")
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -63,11 +74,14 @@ class NullTokenizer:
 
 
 class SentencePieceTokenizer:
-    """A sentencepiece model file; eod is its </s> (eos) id, pad its <pad> id or eod when it has none."""
+    """A sentencepiece model file; eod is its </s> (eos) id, pad its <pad> id (-1 when none).
+
+    add_bos: every encoded text starts with the model's <s> (legacy Megatron's Llama2Tokenizer).
+    """
 
     name = "SentencePieceTokenizer"
 
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, add_bos: bool = False):
         import sentencepiece as spm
 
         if not model_path or not os.path.isfile(model_path):
@@ -85,19 +99,24 @@ class SentencePieceTokenizer:
                 f"--tokenizer-model {model_path} has no </s> piece to use as end-of-document; retrain with eos_id set"
             )
         self.eod = int(eos)
-        self.pad = int(pad) if pad >= 0 else self.eod
+        self.pad = int(pad)
+        self.bos = int(self._sp.bos_id())
+        if add_bos and self.bos < 0:
+            raise DataError(f"--tokenizer-model {model_path} has no <s> piece for the legacy Llama2Tokenizer's BOS")
+        self._prefix = [self.bos] if add_bos else []
         # Bound methods, not the keyword-parsing wrappers: this is the preprocessing hot loop.
         self._encode = self._sp.EncodeAsIds
         self._decode = self._sp.DecodeIds
 
     def encode(self, text: str) -> list[int]:
-        return self._encode(text)
+        ids = self._encode(text)
+        return self._prefix + ids if self._prefix else ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._decode([int(i) for i in ids])
 
 
-# Megatron's sentencepiece variants with eod = </s> read the same model files the same way.
+# Every Megatron --tokenizer-type tricorn reads; the sentencepiece ones share one class (see the module docstring).
 TOKENIZER_TYPES: dict[str, str] = {
     "NullTokenizer": "NullTokenizer",
     "SentencePieceTokenizer": "SentencePieceTokenizer",
@@ -106,22 +125,36 @@ TOKENIZER_TYPES: dict[str, str] = {
 }
 
 
-def build_tokenizer_from(tokenizer_type: str, tokenizer_model: Optional[str], vocab_size: Optional[int]) -> Tokenizer:
-    tokenizer_type = TOKENIZER_TYPES.get(tokenizer_type, tokenizer_type)
-    if tokenizer_type == "NullTokenizer":
+def build_tokenizer_from(
+    tokenizer_type: str, tokenizer_model: Optional[str], vocab_size: Optional[int], legacy: bool = False
+) -> Tokenizer:
+    kind = TOKENIZER_TYPES.get(tokenizer_type)
+    if kind is None:
+        raise DataError(f"unknown --tokenizer-type {tokenizer_type}; use one of {', '.join(TOKENIZER_TYPES)}")
+    if kind == "NullTokenizer":
         if vocab_size is None:
             raise DataError("--tokenizer-type NullTokenizer needs --vocab-size")
-        return NullTokenizer(vocab_size)
-    if tokenizer_type == "SentencePieceTokenizer":
-        if not tokenizer_model:
-            raise DataError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model FILE.model")
-        return SentencePieceTokenizer(tokenizer_model)
-    raise DataError(f"unknown --tokenizer-type {tokenizer_type}; use NullTokenizer or SentencePieceTokenizer")
+        return NullTokenizer(vocab_size, legacy)
+    if legacy and tokenizer_type == "SentencePieceTokenizer":
+        raise DataError(
+            "--legacy-tokenizer with SentencePieceTokenizer (legacy Megatron's, with its own added special tokens) "
+            "is not supported; use GPTSentencePieceTokenizer or Llama2Tokenizer, or drop --legacy-tokenizer"
+        )
+    if not tokenizer_model:
+        raise DataError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model FILE.model")
+    return SentencePieceTokenizer(tokenizer_model, add_bos=legacy and tokenizer_type == "Llama2Tokenizer")
+
+
+def loss_pad_id(tokenizer: Tokenizer) -> int:
+    """The id whose labels leave the loss: pad, unless missing or shared with eod/BOS (megatron-core's rule)."""
+    pad = int(tokenizer.pad)
+    return pad if pad >= 0 and pad not in (tokenizer.eod, getattr(tokenizer, "bos", -1)) else -1
 
 
 def build_tokenizer(cfg: Any) -> Tokenizer:
-    """The tokenizer a Config names (cfg.data.tokenizer_type/tokenizer_model, cfg.model.vocab_size)."""
-    return build_tokenizer_from(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.model.vocab_size)
+    """The tokenizer a Config names (cfg.data.tokenizer_type/tokenizer_model/legacy_tokenizer, cfg.model.vocab_size)."""
+    d = cfg.data
+    return build_tokenizer_from(d.tokenizer_type, d.tokenizer_model, cfg.model.vocab_size, d.legacy_tokenizer)
 
 
 # ---------------------------------------------------------------- training
