@@ -21,8 +21,44 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+@dataclass(frozen=True)
+class Bound:
+    """The allowed range of a numeric field (each element of a list field), declared next to the field."""
+
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False  # lo itself is excluded
+    hi_open: bool = False
+
+    def contains(self, value: float) -> bool:
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+
+    def describe(self) -> str:
+        lo, hi = _num(self.lo), _num(self.hi)
+        if self.lo is not None and self.hi is not None:
+            return f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'greater than' if self.lo_open else 'at least'} {lo}"
+        return f"{'less than' if self.hi_open else 'at most'} {hi}"
+
+
+def _num(x: Optional[float]) -> str:
+    return str(int(x)) if x is not None and float(x).is_integer() else f"{x:g}"
+
+
+AT_LEAST_1 = Bound(lo=1)
+NON_NEGATIVE = Bound(lo=0)
+POSITIVE = Bound(lo=0, lo_open=True)
+PROBABILITY = Bound(lo=0, hi=1, hi_open=True)  # dropout rates and Adam betas: 1 would zero everything / never decay
+# Every int must fit the int64 tensors and numpy arrays it ends up in; every float the fp32 ones.
+INT_LIMIT = 2**63 - 1
+FLOAT_LIMIT = 3.4028234663852886e38
+
+
 def _f(default: Any, help: str, **meta: Any) -> Any:
-    """A dataclass field that also describes its command-line flag."""
+    """A dataclass field that also describes its command-line flag (`bound`: its allowed range)."""
     meta["help"] = help
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
@@ -31,32 +67,38 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    num_layers: int = _f(2, "Number of transformer blocks.")
-    hidden_size: int = _f(64, "Model width h.")
+    num_layers: int = _f(2, "Number of transformer blocks.", bound=AT_LEAST_1)
+    hidden_size: int = _f(64, "Model width h.", bound=AT_LEAST_1)
     ffn_hidden_size: Optional[int] = _f(
-        None, "MLP inner width (default 4h, or Llama's 2/3*4h rounded to 256 with --swiglu... see README)."
+        None,
+        "MLP inner width (default 4h, or Llama's 2/3*4h rounded to 256 with --swiglu... see README).",
+        bound=AT_LEAST_1,
     )
-    num_attention_heads: int = _f(4, "Query heads a.")
-    num_query_groups: Optional[int] = _f(None, "Key/value heads for GQA/MQA (needs --group-query-attention).")
+    num_attention_heads: int = _f(4, "Query heads a.", bound=AT_LEAST_1)
+    num_query_groups: Optional[int] = _f(None, "Key/value heads for GQA/MQA (needs --group-query-attention).", bound=AT_LEAST_1)
     group_query_attention: bool = _f(False, "Use --num-query-groups key/value heads.")
-    seq_length: int = _f(64, "Tokens per sample.")
-    max_position_embeddings: Optional[int] = _f(None, "Longest position (default: --seq-length).")
+    seq_length: int = _f(64, "Tokens per sample.", bound=AT_LEAST_1)
+    max_position_embeddings: Optional[int] = _f(None, "Longest position (default: --seq-length).", bound=AT_LEAST_1)
     position_embedding_type: str = _f("rope", "Position encoding.", choices=["rope", "learned_absolute"])
-    rotary_base: float = _f(10000.0, "RoPE base theta.")
+    rotary_base: float = _f(10000.0, "RoPE base theta.", bound=POSITIVE)
     normalization: str = _f("RMSNorm", "Norm layer.", choices=["RMSNorm", "LayerNorm"])
-    norm_epsilon: float = _f(1e-5, "Epsilon of the norms.")
+    norm_epsilon: float = _f(1e-5, "Epsilon of the norms.", bound=POSITIVE)
     swiglu: bool = _f(False, "SwiGLU MLP instead of GeLU.")
     disable_bias_linear: bool = _f(False, "No biases in the linear layers.")
     untie_embeddings_and_output_weights: bool = _f(False, "Separate output head instead of reusing the embedding.")
-    hidden_dropout: float = _f(0.0, "Dropout on the residual branches.")
-    attention_dropout: float = _f(0.0, "Dropout on the attention probabilities.")
-    init_method_std: float = _f(0.02, "Std of the normal initialisation.")
-    vocab_size: Optional[int] = _f(None, "Vocabulary size (NullTokenizer / mock data; otherwise from the tokenizer).")
-    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this times TP.")
+    hidden_dropout: float = _f(0.0, "Dropout on the residual branches.", bound=PROBABILITY)
+    attention_dropout: float = _f(0.0, "Dropout on the attention probabilities.", bound=PROBABILITY)
+    init_method_std: float = _f(0.02, "Std of the normal initialisation.", bound=POSITIVE)
+    vocab_size: Optional[int] = _f(
+        None, "Vocabulary size (NullTokenizer / mock data; otherwise from the tokenizer).", bound=AT_LEAST_1
+    )
+    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this times TP.", bound=AT_LEAST_1)
     # Activation recomputation (issue: Recompute).
     recompute_granularity: Optional[str] = _f(None, "Recompute activations in backward.", choices=["full", "selective"])
     recompute_method: Optional[str] = _f(None, "How full recompute picks layers.", choices=["uniform", "block"])
-    recompute_num_layers: Optional[int] = _f(None, "Layers per recompute group (uniform) or recomputed layers per stage (block).")
+    recompute_num_layers: Optional[int] = _f(
+        None, "Layers per recompute group (uniform) or recomputed layers per stage (block).", bound=AT_LEAST_1
+    )
     recompute_modules: list = _f(
         ["core_attn"], "Modules recomputed by selective recompute.", nargs="+", choices=["core_attn", "mlp", "norm"]
     )
@@ -88,14 +130,22 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = _f(1, "TP: ranks that split each layer's matrices (keep within a node).")
-    pipeline_model_parallel_size: int = _f(1, "PP: pipeline stages.")
-    context_parallel_size: int = _f(1, "CP: ranks that split the sequence of each sample.")
+    tensor_model_parallel_size: int = _f(1, "TP: ranks that split each layer's matrices (keep within a node).", bound=AT_LEAST_1)
+    pipeline_model_parallel_size: int = _f(1, "PP: pipeline stages.", bound=AT_LEAST_1)
+    context_parallel_size: int = _f(1, "CP: ranks that split the sequence of each sample.", bound=AT_LEAST_1)
     sequence_parallel: bool = _f(False, "Shard norms/dropout activations along the sequence over TP.")
-    num_layers_per_virtual_pipeline_stage: Optional[int] = _f(None, "Layers per model chunk (interleaved 1F1B).")
-    num_virtual_stages_per_pipeline_rank: Optional[int] = _f(None, "Model chunks per pipeline rank (interleaved 1F1B).")
-    decoder_first_pipeline_num_layers: Optional[int] = _f(None, "Layers on the first pipeline stage (uneven split).")
-    decoder_last_pipeline_num_layers: Optional[int] = _f(None, "Layers on the last pipeline stage (uneven split).")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = _f(
+        None, "Layers per model chunk (interleaved 1F1B).", bound=AT_LEAST_1
+    )
+    num_virtual_stages_per_pipeline_rank: Optional[int] = _f(
+        None, "Model chunks per pipeline rank (interleaved 1F1B).", bound=AT_LEAST_1
+    )
+    decoder_first_pipeline_num_layers: Optional[int] = _f(
+        None, "Layers on the first pipeline stage (uneven split).", bound=NON_NEGATIVE
+    )
+    decoder_last_pipeline_num_layers: Optional[int] = _f(
+        None, "Layers on the last pipeline stage (uneven split).", bound=NON_NEGATIVE
+    )
     pipeline_schedule: str = _f(
         "1f1b", "Pipeline schedule (interleaved is picked automatically with virtual stages).", choices=["1f1b", "gpipe"]
     )
@@ -103,44 +153,48 @@ class ParallelConfig:
     zero_stage: int = _f(1, "ZeRO stage with --use-distributed-optimizer.", choices=[1, 2, 3])
     overlap_grad_reduce: bool = _f(False, "Overlap the DP gradient reduction with backward.")
     overlap_param_gather: bool = _f(False, "Overlap the distributed optimizer's parameter all-gather with forward.")
-    ddp_bucket_size: Optional[int] = _f(None, "Elements per DP gradient bucket (default: max(40M, 1M*DP)).")
+    ddp_bucket_size: Optional[int] = _f(None, "Elements per DP gradient bucket (default: max(40M, 1M*DP)).", bound=AT_LEAST_1)
     grad_reduce_in_bf16: bool = _f(False, "Reduce gradients in bf16 instead of fp32.")
     optimizer_cpu_offload: bool = _f(False, "Keep master weights and optimizer state on CPU and step there.")
-    distributed_timeout_minutes: int = _f(10, "Timeout of collectives; a dead peer becomes an error.")
+    distributed_timeout_minutes: int = _f(10, "Timeout of collectives; a dead peer becomes an error.", bound=AT_LEAST_1)
 
 
 @dataclass
 class TrainingConfig:
-    micro_batch_size: int = _f(1, "Samples per microbatch per DP rank.")
-    global_batch_size: Optional[int] = _f(None, "Samples per iteration over all DP ranks (default: micro * DP).")
-    rampup_batch_size: Optional[list] = _f(None, "START INCREMENT SAMPLES: grow the global batch.", nargs=3, type=int)
-    train_iters: int = _f(10, "Iterations to train.")
-    lr: float = _f(1e-4, "Peak learning rate.")
-    min_lr: float = _f(0.0, "Floor of the decayed learning rate.")
+    micro_batch_size: int = _f(1, "Samples per microbatch per DP rank.", bound=AT_LEAST_1)
+    global_batch_size: Optional[int] = _f(
+        None, "Samples per iteration over all DP ranks (default: micro * DP).", bound=AT_LEAST_1
+    )
+    rampup_batch_size: Optional[list] = _f(
+        None, "START INCREMENT SAMPLES: grow the global batch.", nargs=3, type=int, bound=AT_LEAST_1
+    )
+    train_iters: int = _f(10, "Iterations to train.", bound=AT_LEAST_1)
+    lr: float = _f(1e-4, "Peak learning rate.", bound=NON_NEGATIVE)
+    min_lr: float = _f(0.0, "Floor of the decayed learning rate.", bound=NON_NEGATIVE)
     lr_decay_style: str = _f("linear", "Decay after warm-up.", choices=["constant", "linear", "cosine"])
-    lr_warmup_iters: int = _f(0, "Linear warm-up iterations.")
-    lr_decay_iters: Optional[int] = _f(None, "Iterations of decay (default: --train-iters).")
-    weight_decay: float = _f(0.01, "AdamW weight decay (not applied to biases and norms).")
-    adam_beta1: float = _f(0.9, "Adam beta1.")
-    adam_beta2: float = _f(0.999, "Adam beta2.")
-    adam_eps: float = _f(1e-8, "Adam epsilon.")
-    clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0 disables).")
-    seed: int = _f(1234, "Seed of initialisation, data order and dropout.")
+    lr_warmup_iters: int = _f(0, "Linear warm-up iterations.", bound=NON_NEGATIVE)
+    lr_decay_iters: Optional[int] = _f(None, "Iterations of decay (default: --train-iters).", bound=AT_LEAST_1)
+    weight_decay: float = _f(0.01, "AdamW weight decay (not applied to biases and norms).", bound=NON_NEGATIVE)
+    adam_beta1: float = _f(0.9, "Adam beta1.", bound=PROBABILITY)
+    adam_beta2: float = _f(0.999, "Adam beta2.", bound=PROBABILITY)
+    adam_eps: float = _f(1e-8, "Adam epsilon.", bound=POSITIVE)
+    clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0 disables).", bound=NON_NEGATIVE)
+    seed: int = _f(1234, "Seed of initialisation, data order and dropout.", bound=Bound(lo=0, hi=2**32 - 1))
     bf16: bool = _f(False, "bf16 parameters and compute, fp32 master weights.")
     fp16: bool = _f(False, "fp16 parameters and compute with dynamic loss scaling.")
-    loss_scale: Optional[float] = _f(None, "Static loss scale for fp16 (default: dynamic).")
-    initial_loss_scale: float = _f(2.0**16, "Initial dynamic loss scale.")
-    min_loss_scale: float = _f(1.0, "Smallest dynamic loss scale.")
-    loss_scale_window: int = _f(1000, "Iterations without overflow before the scale doubles.")
-    hysteresis: int = _f(2, "Overflows tolerated before the scale halves.")
+    loss_scale: Optional[float] = _f(None, "Static loss scale for fp16 (default: dynamic).", bound=POSITIVE)
+    initial_loss_scale: float = _f(2.0**16, "Initial dynamic loss scale.", bound=POSITIVE)
+    min_loss_scale: float = _f(1.0, "Smallest dynamic loss scale.", bound=POSITIVE)
+    loss_scale_window: int = _f(1000, "Iterations without overflow before the scale doubles.", bound=AT_LEAST_1)
+    hysteresis: int = _f(2, "Overflows tolerated before the scale halves.", bound=AT_LEAST_1)
     fp8_format: Optional[str] = _f(None, "FP8 through Transformer Engine (GPU only).", choices=["e4m3", "hybrid"])
     check_for_nan_in_loss_and_grad: bool = _f(
         True, "Stop when the loss or grad norm is NaN/Inf.", negate="--no-check-for-nan-in-loss-and-grad"
     )
     exit_signal_handler: bool = _f(False, "Save and exit 0 when --exit-signal arrives.")
     exit_signal: str = _f("SIGTERM", "Signal caught by --exit-signal-handler.", choices=["SIGTERM", "SIGUSR1", "SIGINT"])
-    exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes.")
-    exit_interval: Optional[int] = _f(None, "Save and exit at an iteration divisible by this.")
+    exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes.", bound=POSITIVE)
+    exit_interval: Optional[int] = _f(None, "Save and exit at an iteration divisible by this.", bound=AT_LEAST_1)
 
 
 @dataclass
@@ -154,32 +208,35 @@ class DataConfig:
     data_cache_path: Optional[str] = _f(None, "Directory for cached sample indices.")
     tokenizer_type: str = _f("NullTokenizer", "Tokenizer.", choices=["NullTokenizer", "SentencePieceTokenizer"])
     tokenizer_model: Optional[str] = _f(None, "SentencePiece model file.")
-    eval_interval: int = _f(1000, "Evaluate on the validation split every N iterations.")
-    eval_iters: int = _f(10, "Validation iterations per evaluation.")
-    num_workers: int = _f(0, "Data loader worker processes.")
+    eval_interval: int = _f(1000, "Evaluate on the validation split every N iterations.", bound=AT_LEAST_1)
+    eval_iters: int = _f(10, "Validation iterations per evaluation.", bound=NON_NEGATIVE)
+    num_workers: int = _f(0, "Data loader worker processes.", bound=NON_NEGATIVE)
 
 
 @dataclass
 class CheckpointConfig:
     save: Optional[str] = _f(None, "Directory to save checkpoints to.")
     load: Optional[str] = _f(None, "Directory to resume from (empty or absent: start fresh).")
-    save_interval: Optional[int] = _f(None, "Save every N iterations.")
-    ckpt_step: Optional[int] = _f(None, "Load this iteration instead of the latest.")
+    save_interval: Optional[int] = _f(None, "Save every N iterations.", bound=AT_LEAST_1)
+    ckpt_step: Optional[int] = _f(None, "Load this iteration instead of the latest.", bound=NON_NEGATIVE)
     no_load_optim: bool = _f(False, "Do not load optimizer state.")
     no_load_rng: bool = _f(False, "Do not load RNG state.")
     finetune: bool = _f(False, "Load weights only and start at iteration 0.")
     async_save: bool = _f(False, "Write checkpoints in the background.")
-    keep_last_n_checkpoints: Optional[int] = _f(None, "Delete older checkpoints once a newer one is complete.")
+    verify_checkpoint: bool = _f(
+        True, "Check every checkpoint file against its checksum before loading.", negate="--no-verify-checkpoint"
+    )
+    keep_last_n_checkpoints: Optional[int] = _f(None, "Delete older checkpoints once a newer one is complete.", bound=AT_LEAST_1)
 
 
 @dataclass
 class LoggingConfig:
     tensorboard_dir: Optional[str] = _f(None, "TensorBoard event directory.")
-    log_interval: int = _f(10, "Log every N iterations.")
+    log_interval: int = _f(10, "Log every N iterations.", bound=AT_LEAST_1)
     log_dir: Optional[str] = _f(None, "Per-rank log files.")
     log_params_norm: bool = _f(False, "Log the parameter norm (costs an extra reduction).")
     timing_log_level: int = _f(0, "0: iteration time only; 1: per-phase timers; 2: plus min/max over ranks.", choices=[0, 1, 2])
-    peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device for MFU (default: from the GPU table).")
+    peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device for MFU (default: from the GPU table).", bound=POSITIVE)
     metrics_file: Optional[str] = _f(None, "Also append each logged iteration's metrics as one JSON line to this file (rank 0).")
 
 
@@ -327,9 +384,27 @@ def _flag_names() -> dict[str, tuple[str, str]]:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are a ConfigError (one `tricorn: error:` line from the entry point, not usage + exit)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ConfigError(f"{message}; see --help")
+
+
+def field_kind(f: dataclasses.Field) -> tuple[str, bool]:
+    """(base type name: int/float/str/bool/list, whether None is allowed) of a config field."""
+    ftype = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
+    optional = ftype.startswith("Optional[")
+    return ftype.removeprefix("Optional[").rstrip("]"), optional
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     """The command line, generated from the dataclasses (defaults are None so we can tell what was given)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog, description="tricorn: Megatron-style 3D-parallel GPT pretraining.", argument_default=argparse.SUPPRESS
     )
     parser.add_argument(
@@ -341,12 +416,13 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            flag = flag_of(f)
             meta = dict(f.metadata)
             helptext = meta.pop("help")
             negate = meta.pop("negate", None)
-            ftype = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
-            if ftype == "bool":
+            meta.pop("bound", None)
+            base, _ = field_kind(f)
+            if base == "bool":
                 if negate:
                     group.add_argument(negate, dest=f.name, action="store_false", help=helptext + " (on by default)")
                     group.add_argument(flag, dest=f.name, action="store_true", help=argparse.SUPPRESS)
@@ -354,10 +430,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                     group.add_argument(flag, dest=f.name, action="store_true", help=helptext)
                 continue
             if "type" not in meta:
-                base = ftype.replace("Optional[", "").rstrip("]")
                 meta["type"] = {"int": int, "float": float}.get(base, str)
-                if base == "list":
-                    meta["type"] = str
             if "choices" in meta and meta["type"] is str:
                 meta["choices"] = [str(c) for c in meta["choices"]]
             group.add_argument(flag, dest=f.name, help=helptext, **meta)
@@ -382,26 +455,118 @@ def _apply_yaml(cfg: Config, path: str) -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     top_keys = list(SECTIONS) + ["device", "model_preset"]
+    errors: list[str] = []
     for key, value in data.items():
         if key in ("device", "model_preset"):
-            setattr(cfg, key, value)
+            if value is not None and not isinstance(value, str):
+                errors.append(f"'{key}' in {path} must be a string, got {value!r}")
+            elif key == "device" and value not in (None, "cpu", "cuda"):
+                errors.append(f"'device' in {path} must be cpu or cuda, got {value!r}")
+            else:
+                setattr(cfg, key, value)
             continue
         if key not in SECTIONS:
             raise ConfigError(f"unknown section '{key}' in {path}{_suggest(key, top_keys)}")
         if not isinstance(value, dict):
             raise ConfigError(f"section '{key}' in {path} must be a mapping")
         section = getattr(cfg, key)
-        names = [f.name for f in dataclasses.fields(section)]
+        fields = {f.name: f for f in dataclasses.fields(section)}
         for k, v in value.items():
-            k2 = k.replace("-", "_")
-            if k2 not in names:
-                raise ConfigError(f"unknown key '{key}.{k}' in {path}{_suggest(k2, names)}")
-            setattr(section, k2, v)
+            k2 = str(k).replace("-", "_")
+            if k2 not in fields:
+                raise ConfigError(f"unknown key '{key}.{k}' in {path}{_suggest(k2, list(fields))}")
+            problem = yaml_type_error(fields[k2], v)
+            if problem:
+                errors.append(f"'{key}.{k}' in {path} (the value of {flag_of(fields[k2])}) {problem}")
+            else:
+                setattr(section, k2, float(v) if field_kind(fields[k2])[0] == "float" else v)
+    if errors:
+        raise ConfigError("; also: ".join(errors))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def yaml_type_error(f: dataclasses.Field, value: Any) -> Optional[str]:
+    """Why a YAML value cannot go into field `f` ("must be an integer, got '64'"), or None: YAML is typed like the flag."""
+    base, optional = field_kind(f)
+    choices = f.metadata.get("choices")
+    if value is None:
+        return None if optional or f.default is None else "needs a value"
+    if base == "bool":
+        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+    if base == "list":
+        nargs = f.metadata.get("nargs")
+        if not isinstance(value, list) or not value or (isinstance(nargs, int) and len(value) != nargs):
+            count = f"{nargs} values" if isinstance(nargs, int) else "one or more values"
+            return f"must be a list of {count}, got {value!r}"
+        element_int = f.metadata.get("type") is int
+        for v in value:
+            ok = _is_int(v) if element_int else isinstance(v, str) or _is_number(v)  # data paths: WEIGHT PREFIX
+            if not ok or (choices and v not in choices):
+                return f"must list {'integers' if element_int else 'strings'}{_choice_text(choices)}, got {v!r}"
+        return None
+    ok = {"int": _is_int, "float": _is_number, "str": lambda v: isinstance(v, str)}[base](value)
+    kind = {"int": "an integer", "float": "a number", "str": "a string"}[base]
+    if not ok or (choices and value not in choices):
+        return f"must be {kind}{_choice_text(choices)}, got {value!r}"
+    return None
+
+
+def _choice_text(choices: Optional[list]) -> str:
+    return f" (one of {', '.join(str(c) for c in choices)})" if choices else ""
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} digits)"
+
+
+def field_errors(cfg: Config) -> list[str]:
+    """Every field outside its range or type, one sentence each ("--lr must be at least 0, got -0.001").
+
+    The one range check of every value, from the flags, the YAML or code: run by config_from_args before
+    any derived value is computed, and again by validate() for configs built in code.
+    """
+    errors: list[str] = []
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            problem = _value_error(f, getattr(obj, f.name))
+            if problem:
+                errors.append(f"{flag_of(f)} {problem}")
+    return errors
+
+
+def _value_error(f: dataclasses.Field, value: Any) -> Optional[str]:
+    base, _ = field_kind(f)
+    if value is None or base in ("bool", "str"):
+        return yaml_type_error(f, value)
+    values = value if isinstance(value, list) else [value]
+    element = "int" if base == "int" or f.metadata.get("type") is int else "float" if base == "float" else None
+    if element is None:
+        return yaml_type_error(f, value)
+    bound: Optional[Bound] = f.metadata.get("bound")
+    for v in values:
+        if not (_is_int(v) if element == "int" else _is_number(v)):
+            return f"must be {'an integer' if element == 'int' else 'a number'}, got {v!r}"
+        if element == "float" and not (math.isfinite(v) and abs(v) <= FLOAT_LIMIT):
+            return f"must be a finite number that fits in float32, got {v!r}"
+        if bound is not None and not bound.contains(v):
+            return f"must be {bound.describe()}, got {_short(v)}"
+        if element == "int" and abs(v) > INT_LIMIT:
+            return f"must fit in 64 bits, got {_short(v)}"
+    return None
 
 
 def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> Config:
     """Defaults <- preset <- YAML <- flags. Raises ConfigError; does not validate."""
-    args = vars(build_parser().parse_args(argv))
+    args = vars(build_parser().parse_args(argv))  # ConfigError on a malformed flag
     cfg = Config()
     if "config" in args:
         _apply_yaml(cfg, args.pop("config"))
@@ -428,6 +593,9 @@ def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int]
     cfg.world_size = (
         world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     )
+    errors = field_errors(cfg)
+    if errors:  # before the derived values: they divide by the parallel sizes
+        raise ConfigError("; also: ".join(errors))
     _resolve_defaults(cfg)
     return cfg
 

@@ -17,7 +17,7 @@ from tricorn.config import Config
 def resolve_config(argv: Optional[list[str]]) -> Config:
     from tricorn.config import ConfigError, config_from_args
     from tricorn.parallel.state import world_size_from_env
-    from tricorn.validation import validate
+    from tricorn.validation import output_path_errors, validate
 
     try:
         cfg = config_from_args(argv, world_size=world_size_from_env())
@@ -29,6 +29,8 @@ def resolve_config(argv: Optional[list[str]]) -> Config:
             from tricorn.planning.estimate import memory_errors, visible_device_memory
 
             errors += memory_errors(cfg, visible_device_memory())
+        if not errors:  # nothing is created before the output paths are known to be writable
+            errors += output_path_errors(cfg)
     except ConfigError as e:
         errors = [str(e)]
     if errors:
@@ -138,6 +140,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     from tricorn.data.errors import DataError
     from tricorn.parallel.state import destroy_parallel, init_parallel
     from tricorn.training.checkpoint import Checkpointer, CheckpointError
+    from tricorn.training.checkpoint_io import load_errors
+
+    damaged = load_errors(cfg)  # the --load checkpoint's files, checked alike on every rank before anything starts
+    if damaged:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"tricorn: error: {damaged[0]}", file=sys.stderr)
+        return 1
     from tricorn.training.logging import MetricsLogger
     from tricorn.training.loop import NaNError
     from tricorn.training.signals import ExitConditions
@@ -157,7 +166,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         ckpt.finish(trainer)  # the final save, and the wait for a background one
         finished = True
     except (NaNError, DataError, CheckpointError) as e:
-        print(f"tricorn: error: {e}", file=sys.stderr)
+        if state.rank == 0:  # raised alike on every rank (checked before, or gathered by, the collectives): print once
+            print(f"tricorn: error: {e}", file=sys.stderr)
         return 1
     finally:
         if ckpt is not None:
