@@ -45,7 +45,9 @@ class Bound:
 
 
 def _num(x: Optional[float]) -> str:
-    return str(int(x)) if x is not None and float(x).is_integer() else f"{x:g}"
+    if x is None:
+        return ""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 AT_LEAST_1 = Bound(lo=1)

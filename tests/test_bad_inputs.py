@@ -1,0 +1,130 @@
+"""Every bad input of issue 16 is one `tricorn: error:` line, no traceback, nothing written.
+
+Config and path cases run the real entry point in this process (tests/badinput.py); a few run
+the real CLI as subprocesses to prove the same holds outside pytest.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from badinput import assert_refused
+from harness import BASE_FLAGS, ENTRY, ROOT, with_flag
+
+# (extra flags, text the error must contain). The base flags are valid; each case breaks one value.
+FLAG_CASES = [
+    (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be at least 1, got 0"),
+    (["--global-batch-size", "0"], "--global-batch-size must be at least 1, got 0"),
+    (["--vocab-size", "-5"], "--vocab-size must be at least 1, got -5"),
+    (["--lr=-0.001"], "--lr must be at least 0, got -0.001"),
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--lr", "1e39"], "--lr must be a finite number that fits in float32"),
+    (["--init-method-std=-0.02"], "--init-method-std must be greater than 0"),
+    (["--hidden-dropout", "1.5"], "--hidden-dropout must be in [0, 1), got 1.5"),
+    (["--adam-beta1", "2"], "--adam-beta1 must be in [0, 1), got 2.0"),
+    (["--log-interval", "0"], "--log-interval must be at least 1, got 0"),
+    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be at least 1, got 0"),
+    (["--weight-decay", "-1"], "--weight-decay must be at least 0, got -1.0"),
+    (["--seed", "9" * 30], "--seed must be in [0, 4294967295]"),
+    (["--min-lr", "0.1"], "--min-lr 0.1 is above --lr 0.001"),
+    (["--num-layers", "two"], "argument --num-layers: invalid int value: 'two'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", FLAG_CASES, ids=[c[0][0].split("=")[0] + "-" + c[0][-1] for c in FLAG_CASES])
+def test_bad_flag_value(tmp_path, extra, needle):
+    argv = BASE_FLAGS + extra
+    for flag in extra:  # a flag given twice: the later one wins in argparse, keep the base one out
+        if flag.startswith("--") and "=" not in flag and flag in BASE_FLAGS and len(extra) == 2:
+            argv = with_flag(BASE_FLAGS, flag, extra[1])
+    assert_refused(argv, tmp_path, needle=needle)
+
+
+YAML_CASES = [
+    ({"training": {"lr": "fast"}}, "'training.lr' in cfg.yaml (the value of --lr) must be a number, got 'fast'"),
+    ({"model": {"hidden_size": "64"}}, "'model.hidden_size' in cfg.yaml (the value of --hidden-size) must be an integer"),
+    ({"parallel": {"tensor_model_parallel_size": [2]}}, "must be an integer, got [2]"),
+    ({"model": {"normalization": "BatchNorm"}}, "one of RMSNorm, LayerNorm"),
+    ({"training": {"bf16": "yes"}}, "must be true or false"),
+    ({"training": {"rampup_batch_size": [1, 2]}}, "must be a list of 3 values"),
+    ({"training": {"weight_decay": -1.0}}, "--weight-decay must be at least 0, got -1.0"),
+    ({"model": {"num_layers": None}}, "needs a value"),
+    ({"modle": {}}, "unknown section 'modle'"),
+    ([1, 2], "must hold a mapping"),
+]
+
+
+@pytest.mark.parametrize("data,needle", YAML_CASES, ids=[str(i) for i in range(len(YAML_CASES))])
+def test_bad_yaml_value(tmp_path, data, needle):
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(data))
+    assert_refused(["--config", "cfg.yaml"] + BASE_FLAGS, tmp_path, needle=needle)
+
+
+def _paths(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+
+
+PATH_CASES = [
+    (["--save", "afile"], "--save afile is a file but must be a directory"),
+    (["--save", "/proc/x"], "--save /proc/x: cannot write in /proc"),
+    (["--save", "afile/sub"], "afile is a file, not a directory"),
+    (["--tensorboard-dir", "afile"], "--tensorboard-dir afile is a file"),
+    (["--log-dir", "afile"], "--log-dir afile is a file"),
+    (["--data-cache-path", "afile"], "--data-cache-path afile is a file"),
+    (["--metrics-file", "adir"], "--metrics-file adir is a directory but must be a file"),
+    (["--load", "afile"], "--load afile is a file; it needs the checkpoint directory"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", PATH_CASES, ids=[" ".join(c[0]) for c in PATH_CASES])
+def test_output_paths_checked_before_launch(tmp_path, extra, needle):
+    _paths(tmp_path)
+    assert_refused(BASE_FLAGS + extra + ["--tensorboard-dir", "tb"] * (extra[0] != "--tensorboard-dir"), tmp_path, needle=needle)
+    assert not (tmp_path / "tb").exists(), "nothing is created before the checks pass"
+
+
+def test_read_only_directory_is_refused(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        probe = ro / "probe"
+        try:  # root ignores permissions: this case only means something for other users
+            probe.write_text("")
+            probe.unlink()
+            pytest.skip("running as root: directory permissions are not enforced")
+        except PermissionError:
+            pass
+        assert_refused(BASE_FLAGS + ["--save", "ro/ckpt"], tmp_path, needle="cannot write in")
+    finally:
+        ro.chmod(0o700)
+
+
+@pytest.mark.parametrize(
+    "extra,needle,rank",
+    [
+        (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be at least 1", "0"),
+        (["--save", "afile"], "--save afile is a file", "0"),
+        (["--lr", "fast"], "argument --lr: invalid float value: 'fast'", "0"),
+        (["--lr", "fast"], None, "1"),
+    ],
+)
+def test_real_cli_prints_one_line(tmp_path, extra, needle, rank):
+    """The real command as rank `rank` of 2 (subprocess): exit 2, one line from rank 0 and none from the others."""
+    _paths(tmp_path)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "RANK": rank, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    flags = with_flag(BASE_FLAGS, "--global-batch-size", "4") + extra + ["--tensorboard-dir", "tb"]
+    run = subprocess.run([sys.executable, str(ENTRY), *flags], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    if needle is None:  # printed once, by rank 0
+        assert lines == [], run.stderr
+    else:
+        assert len(lines) == 1 and lines[0].startswith("tricorn: error: ") and needle in lines[0], run.stderr
+    assert not (tmp_path / "tb").exists()
