@@ -6,13 +6,21 @@ the real CLI as subprocesses to prove the same holds outside pytest.
 
 from __future__ import annotations
 
+import io as iolib
+import json
+import os
+import pickle
 import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 from badinput import assert_refused
 from harness import BASE_FLAGS, ENTRY, ROOT, with_flag
+from test_checkpoint_io import make_checkpoint
+
+from tricorn.training import checkpoint_io as io
 
 # (extra flags, text the error must contain). The base flags are valid; each case breaks one value.
 FLAG_CASES = [
@@ -128,3 +136,93 @@ def test_real_cli_prints_one_line(tmp_path, extra, needle, rank):
     else:
         assert len(lines) == 1 and lines[0].startswith("tricorn: error: ") and needle in lines[0], run.stderr
     assert not (tmp_path / "tb").exists()
+
+
+# ---------------------------------------------------------------- damaged checkpoints (exit 1, before launch)
+
+
+def _checkpoint(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt", 3)
+    (ckpt / io.RNG_DIR).mkdir()
+    for tp in range(2):
+        io.atomic_write_text(ckpt / io.RNG_DIR / f"pp0-dp0-cp0-tp{tp}.json", io.encode_rng({"cpu": torch.get_rng_state()}))
+    return ckpt
+
+
+def _edit_meta(ckpt, change):
+    meta = json.loads((ckpt / io.META_FILE).read_text())
+    change(meta)
+    (ckpt / io.META_FILE).write_text(json.dumps(meta))
+
+
+def _write_dcp_metadata(ckpt, relative_path):
+    md = io.read_dcp_metadata(ckpt)
+    for info in md.storage_data.values():
+        info.relative_path = relative_path
+    (ckpt / io.DCP_METADATA).write_bytes(pickle.dumps(md))
+
+
+DAMAGE = {
+    "latest-superscript": (lambda c: (c.parent / io.LATEST_FILE).write_text("²\n"), "holds '²', not an iteration number"),
+    "latest-5000-digits": (lambda c: (c.parent / io.LATEST_FILE).write_text("9" * 5000), "not an iteration number"),
+    "meta-lacks-optimizer-step": (lambda c: _edit_meta(c, lambda m: m.pop("optimizer_step")), "lacks 'optimizer_step'"),
+    "meta-iteration-twelve": (lambda c: _edit_meta(c, lambda m: m.update(iteration="twelve")), "iteration = 'twelve'"),
+    "meta-negative-samples": (lambda c: _edit_meta(c, lambda m: m.update(consumed_train_samples=-4)), "consumed_train_samples"),
+    "meta-not-json": (lambda c: (c / io.META_FILE).write_bytes(b"\xff\xfe{"), "meta.json cannot be read"),
+    "rng-truncated": (
+        lambda c: (c / io.RNG_DIR / "pp0-dp0-cp0-tp1.json").write_text(
+            (c / io.RNG_DIR / "pp0-dp0-cp0-tp1.json").read_text()[:99]
+        ),
+        "pp0-dp0-cp0-tp1.json cannot be read",
+    ),
+    "rng-wrong-size": (
+        lambda c: (c / io.RNG_DIR / "pp0-dp0-cp0-tp0.json").write_text(io.encode_rng({"cpu": torch.zeros(8, dtype=torch.uint8)})),
+        "no valid CPU RNG state",
+    ),
+    "path-traversal": (lambda c: _write_dcp_metadata(c, "../../outside.distcp"), "outside the checkpoint directory"),
+    "absolute-path": (lambda c: _write_dcp_metadata(c, "/etc/passwd"), "outside the checkpoint directory"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_checkpoint_is_one_line_before_launch(tmp_path, case):
+    damage, needle = DAMAGE[case]
+    ckpt = _checkpoint(tmp_path)
+    damage(ckpt)
+    line = assert_refused(BASE_FLAGS + ["--load", "ckpt", "--tensorboard-dir", "tb"], tmp_path, expected_code=1, needle=needle)
+    assert not (tmp_path / "tb").exists()
+    assert "Traceback" not in line
+
+
+def test_path_traversal_never_reads_outside(tmp_path):
+    """A .metadata naming ../outside.distcp is refused even when that file exists and would load."""
+    ckpt = _checkpoint(tmp_path)
+    shard = next(ckpt.glob("*.distcp"))
+    (tmp_path / "outside.distcp").write_bytes(shard.read_bytes())
+    _write_dcp_metadata(ckpt, "../outside.distcp")
+    with pytest.raises(io.CheckpointError, match="outside the checkpoint directory"):
+        io.read_tensors(ckpt)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_malicious_shard_never_advises_weights_only_false(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = _checkpoint(tmp_path)
+    buf = iolib.BytesIO()
+    torch.save({"x": _Exploit()}, buf)
+    payload = buf.getvalue()
+    md = io.read_dcp_metadata(ckpt)
+    name = next(iter(md.storage_data.values())).relative_path
+    (ckpt / name).write_bytes(payload)
+    for info in md.storage_data.values():
+        info.offset, info.length = 0, len(payload)
+    (ckpt / io.DCP_METADATA).write_bytes(pickle.dumps(md))
+    with pytest.raises(io.CheckpointError) as e:
+        io.read_tensors(ckpt)
+    message = str(e.value)
+    assert "\n" not in message and "weights_only" not in message and "Re-running" not in message, message
+    assert "refused" in message and not (tmp_path / "pwned").exists()

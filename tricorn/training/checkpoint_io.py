@@ -206,7 +206,7 @@ def find_checkpoint(root: Path, ckpt_step: Optional[int]) -> tuple[Optional[Path
         raise CheckpointError(f"--load {root} is a file; it needs the checkpoint directory (the one --save wrote)")
     latest = root / LATEST_FILE
     if latest.is_file():
-        text = _read_text(latest, limit=64).strip()
+        text = _read_text(latest, limit=1 << 16).strip()
         if not _DIGITS_RE.fullmatch(text):  # ASCII digits only: str.isdigit() also accepts '²'
             raise CheckpointError(f"checkpoint damaged: {latest} holds {text[:40]!r}, not an iteration number")
         path = root / iter_name(int(text))
