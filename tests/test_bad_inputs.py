@@ -13,6 +13,7 @@ import pickle
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -20,6 +21,10 @@ from badinput import assert_refused
 from harness import BASE_FLAGS, ENTRY, ROOT, with_flag
 from test_checkpoint_io import make_checkpoint
 
+from tricorn.data.errors import DataError
+from tricorn.data.indexed import IndexedDataset, write_index
+from tricorn.data.loader import token_range
+from tricorn.data.preprocess import preprocess
 from tricorn.training import checkpoint_io as io
 
 # (extra flags, text the error must contain). The base flags are valid; each case breaks one value.
@@ -226,3 +231,88 @@ def test_malicious_shard_never_advises_weights_only_false(tmp_path, monkeypatch)
     message = str(e.value)
     assert "\n" not in message and "weights_only" not in message and "Re-running" not in message, message
     assert "refused" in message and not (tmp_path / "pwned").exists()
+
+
+# ---------------------------------------------------------------- data (exit 2, before launch)
+
+DATA_FLAGS = [f for f in BASE_FLAGS if f != "--mock-data"]
+
+
+def _write_pair(prefix, tokens, lengths, dtype=np.uint16):
+    """A .bin/.idx pair with exactly these tokens and sequence lengths (one document per sequence)."""
+    np.asarray(tokens, dtype=dtype).tofile(str(prefix) + ".bin")
+    write_index(str(prefix) + ".idx", dtype, lengths, np.arange(len(lengths) + 1))
+
+
+def _tokens_with_a_bad_id_late(vocab: int = 500) -> np.ndarray:
+    tokens = np.arange((1 << 20) + 4096, dtype=np.int64) % (vocab - 1)
+    tokens[-10] = 9000  # past the first 2^20 tokens, past the padded vocabulary at TP 1 and 2
+    return tokens
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_token_ids_past_the_vocabulary_anywhere_are_refused(tmp_path, monkeypatch, tp):
+    tokens = _tokens_with_a_bad_id_late()
+    _write_pair(tmp_path / "data", tokens, [4096] * (tokens.size // 4096))
+    monkeypatch.setenv("WORLD_SIZE", str(tp))
+    flags = DATA_FLAGS + ["--data-path", "data", "--tensor-model-parallel-size", str(tp), "--global-batch-size", "4"]
+    # The padded vocabulary is 512 at TP 1 and 2 (500 rounded up to 128 x TP); the vocab-parallel embedding
+    # at TP 2 would silently mask the id, so only this check stands between the data and a wrong run.
+    assert_refused(flags, tmp_path, needle="data.bin holds token id 9000 outside the model's vocabulary [0, 512)")
+
+
+def test_token_range_is_cached_beside_the_index_cache(tmp_path):
+    tokens = _tokens_with_a_bad_id_late()
+    _write_pair(tmp_path / "data", tokens, [4096] * (tokens.size // 4096))
+    ds = IndexedDataset(str(tmp_path / "data"))
+    assert token_range(ds, str(tmp_path / "cache")) == (0, 9000)
+    cached = list((tmp_path / "cache").glob("*-TokenRange-all-range.npy"))
+    assert len(cached) == 1 and np.load(cached[0]).tolist() == [0, 9000]
+    np.save(cached[0], np.array([0, 7]))  # the cache is read, not recomputed
+    assert token_range(ds, str(tmp_path / "cache")) == (0, 7)
+
+
+@pytest.mark.parametrize(
+    "lengths,needle",
+    [
+        ([64, 64, -64, 192], "sequence 2 has length -64"),
+        ([64, 64, 64, 64], None),
+    ],
+)
+def test_negative_length_in_the_middle_is_refused(tmp_path, lengths, needle):
+    tokens = np.arange(256) % 400
+    _write_pair(tmp_path / "data", tokens, lengths)
+    if needle is None:
+        assert len(IndexedDataset(str(tmp_path / "data"))) == 4
+        return
+    assert_refused(DATA_FLAGS + ["--data-path", "data"], tmp_path, needle=needle)
+
+
+def test_pointers_and_document_indices_are_checked(tmp_path):
+    prefix = str(tmp_path / "data")
+    _write_pair(prefix, np.arange(256) % 400, [64] * 4)
+    raw = bytearray(open(prefix + ".idx", "rb").read())
+    header = 9 + 8 + 1 + 8 + 8
+    pointer2 = header + 4 * 4 + 2 * 8
+    raw[pointer2 : pointer2 + 8] = np.int64(130).tobytes()
+    open(prefix + ".idx", "wb").write(bytes(raw))
+    with pytest.raises(DataError, match="sequence 2 starts at byte 130 but the lengths before it put it at 256"):
+        IndexedDataset(prefix)
+    write_index(prefix + ".idx", np.uint16, [64] * 4, [0, 3, 2, 4])
+    with pytest.raises(DataError, match=r"document index 2 \(2\) is below the one before it \(3\)"):
+        IndexedDataset(prefix)
+
+
+def test_float_tokens_are_refused(tmp_path):
+    _write_pair(tmp_path / "data", np.arange(256) + 0.5, [64] * 4, dtype=np.float32)
+    assert_refused(DATA_FLAGS + ["--data-path", "data"], tmp_path, needle="holds float32 tokens")
+
+
+def test_preprocess_says_why_no_document_was_usable(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "1 2 600"}\n{"text": "3 700"}\n')
+    with pytest.raises(DataError) as e:
+        preprocess([str(src)], str(tmp_path / "out"), "NullTokenizer", vocab_size=500)
+    assert "every line was skipped (2 cannot tokenize" in str(e.value)
+    assert "token id 600 is outside the vocabulary [0, 500)" in str(e.value)
+    assert not list(tmp_path.glob("out*"))
