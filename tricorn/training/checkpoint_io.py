@@ -9,12 +9,16 @@ A save directory holds
         meta.json                        iteration, consumed samples, loss scaler, layout, ...
         config.yaml                      the resolved config of the run that saved it
         rng/<grid position>.json         RNG states of each rank, keyed by pp/dp/cp/tp position
+        checksums.json                   size and CRC-32 of every file above (older checkpoints lack it)
     iter_0000200.tmp-<token>/            a save in progress (never loaded)
 
 Nothing here runs a collective; every check is a file check that each rank
 can make on its own before any collective load starts, so a damaged
 checkpoint is one clear error on every rank instead of a hang or a traceback.
-Reading never unpickles arbitrary objects: DCP's `.metadata` pickle goes
+Checksums are computed where each file is written (a shard by the rank that wrote it, on the save's
+writer thread, which is a background thread with --async-save), gathered to rank 0 and written as
+checksums.json before the checkpoint is published; a load verifies them (each rank a share of the
+files) unless --no-verify-checkpoint. Reading never unpickles arbitrary objects: DCP's `.metadata` pickle goes
 through an allowlist of DCP's own metadata classes, tensors are read with
 `torch.load(weights_only=True)` (DCP's reader), and byte blobs are refused.
 """
@@ -31,6 +35,7 @@ import re
 import shutil
 import signal
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -45,6 +50,8 @@ META_FILE = "meta.json"
 CONFIG_FILE = "config.yaml"
 RNG_DIR = "rng"
 DCP_METADATA = ".metadata"
+CHECKSUM_FILE = "checksums.json"
+_HASH_BLOCK = 16 << 20  # bytes per read while checksumming: large reads, bounded memory
 FORMAT_VERSION = 1
 _ITER_RE = re.compile(r"^iter_([0-9]{7,18})$")
 _DIGITS_RE = re.compile(r"[0-9]{1,18}")  # an iteration number that fits int64
@@ -166,19 +173,91 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class Writer(FileSystemWriter):
-    """DCP's file writer (one file per rank, fsync'ed) plus the kill-during-save test hook."""
+    """DCP's file writer (one file per rank, fsync'ed), the checksums of what it wrote, and the kill-during-save test hook."""
 
     def __init__(self, path: Path, iteration: int, rank: int):
         super().__init__(str(path), single_file_per_rank=True, sync_files=True, overwrite=True)
         self.iteration, self.rank = iteration, rank
+        self.root = Path(path)
+        self.checksums: dict[str, dict] = {}  # the files this rank wrote -> size and CRC-32
 
     def write_data(self, plan, planner):
         fut = super().write_data(plan, planner)
+        results = fut.wait()
         hook = os.environ.get(KILL_DURING_SAVE, "")
         if hook and hook == f"{self.iteration}:{self.rank}":
-            fut.wait()
             os.kill(os.getpid(), signal.SIGKILL)
+        # Right after the write, while the pages are still cached, on the thread that wrote them.
+        self.checksums = file_checksums(self.root, sorted({r.storage_data.relative_path for r in results}))
         return fut
+
+
+# ---------------------------------------------------------------- checksums
+
+
+def file_checksum(path: Path) -> dict:
+    """{"size", "crc32"} of one file, read in large blocks (zlib releases the GIL while it hashes)."""
+    crc, size = 0, 0
+    buf = bytearray(min(_HASH_BLOCK, max(path.stat().st_size, 1)))
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return {"size": size, "crc32": f"{crc:08x}"}
+
+
+def file_checksums(root: Path, names: list[str]) -> dict[str, dict]:
+    return {name: file_checksum(root / name) for name in names}
+
+
+def write_manifest(ckpt: Path, checksums: dict[str, dict]) -> None:
+    atomic_write_text(
+        ckpt / CHECKSUM_FILE, json.dumps({"algorithm": "crc32", "files": dict(sorted(checksums.items()))}, indent=1)
+    )
+
+
+def read_manifest(ckpt: Path) -> Optional[dict[str, dict]]:
+    """file name -> {"size", "crc32"} from checksums.json; None for a checkpoint saved before checksums existed."""
+    path = ckpt / CHECKSUM_FILE
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(_read_text(path, limit=64 << 20))
+        files = data["files"] if data.get("algorithm") == "crc32" else None
+        valid = isinstance(files, dict) and all(
+            _inside_tree(name) and isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("crc32"), str)
+            for name, v in files.items()
+        )
+    except (ValueError, AttributeError, KeyError, TypeError):
+        valid = False
+    if not valid:
+        raise CheckpointError(f"checkpoint damaged: {path} is not a valid checksum list; pick another iteration with --ckpt-step")
+    return files
+
+
+def _inside_tree(name: Any) -> bool:
+    """A manifest entry: a relative path below the checkpoint directory (rng/<name>.json or a plain name)."""
+    parts = name.split("/") if isinstance(name, str) else []
+    return bool(parts) and len(parts) <= 2 and all(_inside(p) for p in parts)
+
+
+def checksum_errors(ckpt: Path, manifest: dict[str, dict], names: list[str]) -> list[str]:
+    """One line per file among `names` whose size or CRC-32 differs from the manifest (or that is missing)."""
+    errors = []
+    for name in names:
+        path = ckpt / name
+        if not path.is_file():
+            errors.append(f"checkpoint damaged: {path} is missing; pick another iteration with --ckpt-step")
+            continue
+        have, want = file_checksum(path), manifest[name]
+        if have != {"size": want["size"], "crc32": want["crc32"]}:
+            errors.append(
+                f"checkpoint damaged: {path} does not match its checksum in {CHECKSUM_FILE} "
+                f"(CRC-32 {have['crc32']}, {have['size']} bytes; saved {want['crc32']}, {want['size']} bytes); "
+                "pick another iteration with --ckpt-step, or --no-verify-checkpoint to load it anyway"
+            )
+    return errors
 
 
 # ---------------------------------------------------------------- finding and checking
