@@ -6,6 +6,8 @@ data), takes a few steps, then
 1. saves synchronously `--saves` times (DCP files, fsync'ed, atomic rename, `latest`) and, after each,
    writes the very bytes that save produced as one sequential file in the same directory (fsync'ed):
    bytes/s of both and their ratio (median over the rounds);
+   and the cost of the per-file CRC-32 checksums the writer computes (hashing the files it just wrote,
+   from the page cache, as the writer does) as a fraction of the save time;
 2. measures how long training stops for a save: a synchronous save blocks for the whole write; with
    --async-save the trainer only stops for the CPU copy, and the write on a background thread slows the
    iterations that run meanwhile (counted against the median iteration without saves).
@@ -44,6 +46,17 @@ def raw_write(src: Path, dst: Path) -> tuple[int, float]:
     return sum(len(b) for b in blobs), seconds
 
 
+def checksum_seconds(path: Path) -> float:
+    """Time to checksum every file of a checkpoint, as its writers do right after writing them."""
+    from tricorn.training.checkpoint_io import CHECKSUM_FILE, file_checksum
+
+    files = [p for p in sorted(path.rglob("*")) if p.is_file() and p.name != CHECKSUM_FILE]
+    start = time.perf_counter()
+    for f in files:
+        file_checksum(f)
+    return time.perf_counter() - start
+
+
 def build_trainer(args: argparse.Namespace, root: Path):
     from tricorn.config import config_from_args
     from tricorn.parallel.state import init_parallel
@@ -74,13 +87,15 @@ def timed_iteration(trainer) -> float:
 def throughput(trainer, ckpt, root: Path, saves: int) -> None:
     from tricorn.training.checkpoint_io import iter_name
 
-    ckpt_rates, raw_rates = [], []
+    ckpt_rates, raw_rates, hash_shares = [], [], []
     for _ in range(saves):
         trainer.run_iteration()
         start = time.perf_counter()
         ckpt.save(trainer)
         seconds = time.perf_counter() - start
         path = root / iter_name(trainer.iteration)
+        hashing = checksum_seconds(path)
+        hash_shares.append(hashing / (seconds - hashing))  # the save's time includes its own checksums
         size = dir_bytes(path)
         raw_size, raw_seconds = raw_write(path, root / "raw_write.bin")
         assert raw_size == size
@@ -91,6 +106,10 @@ def throughput(trainer, ckpt, root: Path, saves: int) -> None:
     print(f"sync save throughput   {c / 2**20:10.1f} MiB/s  (whole save: tensors, fsync, rename, latest)")
     print(f"raw sequential write   {r / 2**20:10.1f} MiB/s  (same bytes, one file, fsync)")
     print(f"save / raw             {c / r:10.2f}")
+    print(
+        f"checksum cost          {100 * statistics.median(hash_shares):10.1f} %  of a save without checksums "
+        "(CRC-32 of every file; on the writer thread, off the training thread with --async-save)"
+    )
 
 
 def stall(cfg, trainer, ckpt, saves: int) -> None:
