@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 from badinput import assert_refused
-from harness import BASE_FLAGS, ENTRY, ROOT, run_layout, with_flag
+from harness import BASE_FLAGS, ENTRY, ROOT, free_port, run_layout, with_flag
 from test_checkpoint_io import make_checkpoint
 
 from tricorn.data.errors import DataError
@@ -353,3 +353,26 @@ def test_checkpoint_without_checksums_still_loads(tmp_path):
     (ckpt / io.CHECKSUM_FILE).write_text('{"algorithm": "crc32", "files": {"../x": {"size": 1, "crc32": "0"}}}')
     with pytest.raises(io.CheckpointError, match="is not a valid checksum list"):
         io.read_manifest(ckpt)
+
+
+# ---------------------------------------------------------------- a dead or stopped peer
+
+
+def test_stopped_peer_is_one_line_naming_rank_collective_and_timeout():
+    """Rank 1 is SIGSTOPped; rank 0's all_reduce times out (3 s) and gloo's error becomes one line."""
+    worker = ROOT / "tests" / "workers" / "dead_peer.py"
+    env = {"PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, str(worker)], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    try:
+        out, _ = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert out.strip() == (
+        "rank 0: rank 1 did not answer in all_reduce within --distributed-timeout-minutes 0.05; "
+        "it died or is stopped (see its log), resume from the last checkpoint with --load"
+    ), out

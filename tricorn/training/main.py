@@ -169,6 +169,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         if state.rank == 0:  # raised alike on every rank (checked before, or gathered by, the collectives): print once
             print(f"tricorn: error: {e}", file=sys.stderr)
         return 1
+    except RuntimeError as e:  # a dead or stopped peer: one line naming the collective, not gloo's traceback
+        from tricorn.parallel.failures import collective_failure, peer_named
+
+        line = collective_failure(e, state.rank, state.world_size, cfg.parallel.distributed_timeout_minutes)
+        if line is None:
+            raise
+        if state.rank == 0 or peer_named(line) == 0:  # every survivor times out: rank 0 says it, or whoever lost rank 0
+            print(f"tricorn: error: {line}", file=sys.stderr)
+        return 1
     finally:
         if ckpt is not None:
             ckpt.close()
