@@ -334,6 +334,7 @@ def test_checksum_mismatch_is_one_line_and_no_verify_skips_it(tmp_path):
     manifest = io.read_manifest(saved)
     on_disk = {str(p.relative_to(saved)) for p in saved.rglob("*") if p.is_file()} - {io.CHECKSUM_FILE}
     assert set(manifest) == on_disk, "every file of the checkpoint has a checksum"
+    assert io.checksum_errors(saved, manifest, sorted(manifest)) == [], "the hash taken while writing is the file's"
     shard, offset = _tensor_data_offset(saved)
     with open(shard, "r+b") as fh:  # 64 bytes of zeros: valid floats, so only the checksum can tell
         fh.seek(offset)

@@ -65,6 +65,7 @@ from tricorn.model.init import INIT_KEY_ATTR, global_shape, shard_info
 from tricorn.parallel.state import ParallelState
 from tricorn.training import checkpoint_io as io
 from tricorn.training.checkpoint_io import CheckpointError
+from tricorn.training.checksums import file_checksums
 from tricorn.training.lr_schedule import learning_rate
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -253,12 +254,12 @@ class Checkpointer:
         dcp.save(tensors, storage_writer=writer, process_group=self.group)
         # Each rank's checksums (its shard, hashed by the writer; its RNG file) go to rank 0, which adds its
         # own small files and writes the manifest before publishing: a published checkpoint always has one.
-        mine = {**writer.checksums, **io.file_checksums(tmp, [f"{io.RNG_DIR}/{self.state.grid_name()}.json"])}
+        mine = {**writer.checksums, **file_checksums(tmp, [f"{io.RNG_DIR}/{self.state.grid_name()}.json"])}
         everyone: Optional[list] = [None] * self.state.world_size if rank == 0 else None
         dist.gather_object(mine, everyone, dst=0, group=self.group)
         if rank == 0:
             checksums = {k: v for part in everyone for k, v in part.items()}
-            checksums.update(io.file_checksums(tmp, [io.META_FILE, io.CONFIG_FILE, io.DCP_METADATA]))
+            checksums.update(file_checksums(tmp, [io.META_FILE, io.CONFIG_FILE]))  # .metadata: hashed by rank 0's writer
             io.write_manifest(tmp, checksums)
             self._publish(tmp, iteration)
         dist.barrier(group=self.group)

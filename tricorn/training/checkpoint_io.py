@@ -15,8 +15,9 @@ A save directory holds
 Nothing here runs a collective; every check is a file check that each rank
 can make on its own before any collective load starts, so a damaged
 checkpoint is one clear error on every rank instead of a hang or a traceback.
-Checksums are computed where each file is written (a shard by the rank that wrote it, on the save's
-writer thread, which is a background thread with --async-save), gathered to rank 0 and written as
+Checksums are computed where each file is written (a shard by the rank that writes it, as the bytes
+go by, on a hashing thread beside the save's writer thread, which is itself a background thread with
+--async-save), gathered to rank 0 and written as
 checksums.json before the checkpoint is published; a load verifies them (each rank a share of the
 files) unless --no-verify-checkpoint. Reading never unpickles arbitrary objects: DCP's `.metadata` pickle goes
 through an allowlist of DCP's own metadata classes, tensors are read with
@@ -35,7 +36,6 @@ import re
 import shutil
 import signal
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -44,6 +44,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from tricorn.config import ModelConfig
+from tricorn.training.checksums import HashingFileSystem, file_checksum
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 META_FILE = "meta.json"
@@ -51,7 +52,6 @@ CONFIG_FILE = "config.yaml"
 RNG_DIR = "rng"
 DCP_METADATA = ".metadata"
 CHECKSUM_FILE = "checksums.json"
-_HASH_BLOCK = 16 << 20  # bytes per read while checksumming: large reads, bounded memory
 FORMAT_VERSION = 1
 _ITER_RE = re.compile(r"^iter_([0-9]{7,18})$")
 _DIGITS_RE = re.compile(r"[0-9]{1,18}")  # an iteration number that fits int64
@@ -178,37 +178,19 @@ class Writer(FileSystemWriter):
     def __init__(self, path: Path, iteration: int, rank: int):
         super().__init__(str(path), single_file_per_rank=True, sync_files=True, overwrite=True)
         self.iteration, self.rank = iteration, rank
-        self.root = Path(path)
-        self.checksums: dict[str, dict] = {}  # the files this rank wrote -> size and CRC-32
+        self.fs = HashingFileSystem()
+        self.checksums = self.fs.checksums  # the files this rank wrote -> size and CRC-32
 
     def write_data(self, plan, planner):
         fut = super().write_data(plan, planner)
-        results = fut.wait()
         hook = os.environ.get(KILL_DURING_SAVE, "")
         if hook and hook == f"{self.iteration}:{self.rank}":
+            fut.wait()
             os.kill(os.getpid(), signal.SIGKILL)
-        # Right after the write, while the pages are still cached, on the thread that wrote them.
-        self.checksums = file_checksums(self.root, sorted({r.storage_data.relative_path for r in results}))
         return fut
 
 
 # ---------------------------------------------------------------- checksums
-
-
-def file_checksum(path: Path) -> dict:
-    """{"size", "crc32"} of one file, read in large blocks (zlib releases the GIL while it hashes)."""
-    crc, size = 0, 0
-    buf = bytearray(min(_HASH_BLOCK, max(path.stat().st_size, 1)))
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-            size += n
-    return {"size": size, "crc32": f"{crc:08x}"}
-
-
-def file_checksums(root: Path, names: list[str]) -> dict[str, dict]:
-    return {name: file_checksum(root / name) for name in names}
 
 
 def write_manifest(ckpt: Path, checksums: dict[str, dict]) -> None:
