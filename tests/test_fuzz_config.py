@@ -16,7 +16,8 @@ import yaml
 from badinput import assert_one_line, run_main, snapshot
 from harness import BASE_FLAGS
 
-from tricorn.config import SECTIONS, field_kind, flag_of
+from tricorn.config import SECTIONS
+from tricorn.fields import field_kind, flag_of
 
 CASES = 600
 FIELDS = [(section, f) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
