@@ -15,12 +15,11 @@ A save directory holds
 Nothing here runs a collective; every check is a file check that each rank
 can make on its own before any collective load starts, so a damaged
 checkpoint is one clear error on every rank instead of a hang or a traceback.
-Checksums are computed where each file is written (a shard by the rank that writes it, as the bytes
-go by, on a hashing thread beside the save's writer thread, which is itself a background thread with
---async-save), gathered to rank 0 and written as
-checksums.json before the checkpoint is published; a load verifies them (each rank a share of the
-files) unless --no-verify-checkpoint. Reading never unpickles arbitrary objects: DCP's `.metadata` pickle goes
-through an allowlist of DCP's own metadata classes, tensors are read with
+Checksums (tricorn.training.checksums) are computed where each file is written: a shard by the
+rank that writes it, as the bytes go by, on the save's writer thread (a background thread with
+--async-save). Rank 0 gathers them into checksums.json before the checkpoint is published; a load
+verifies them (each rank a share of the files) unless --no-verify-checkpoint.
+Reading never unpickles arbitrary objects: DCP's `.metadata` pickle goes through an allowlist of DCP's own metadata classes, tensors are read with
 `torch.load(weights_only=True)` (DCP's reader), and byte blobs are refused.
 """
 

@@ -1,15 +1,13 @@
 """CRC-32 checksums of checkpoint files: computed while a file is written, or by reading it back.
 
 `HashingFileSystem` is DCP's local file system with every written file hashed as its bytes go by,
-on a second thread beside the writer (zlib releases the GIL), so the hash overlaps serialisation,
-writes and fsync instead of re-reading the file after them. `file_checksum` reads a file back (for
-small files and for verification). No collectives; at most 256 MiB of copies wait for the hasher.
+on the thread that writes them (the save's background thread with --async-save), so nothing is read
+back. `file_checksum` reads a file back (small files, and verification at load). No collectives, no
+extra memory.
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import contextlib
 import zlib
 from pathlib import Path
@@ -37,39 +35,23 @@ def file_checksums(root: Path, names: list[str]) -> dict[str, dict]:
 
 
 class _HashingStream:
-    """The file a shard is written through: every byte is also CRC-32'd, on a second thread, as it goes by.
+    """The file a shard is written through: every byte is also CRC-32'd as it goes by.
 
-    The hash overlaps the serialisation, the writes and the fsync instead of re-reading the file after
-    them. At most _IN_FLIGHT bytes wait for the hasher (copies: the caller may reuse its buffer).
+    Inline on the writer's thread: no re-read of the file, no copy. A second hashing thread would overlap
+    with the writes only where a core is free; on the shared 2-core box it cost twice as much (README).
     """
-
-    _IN_FLIGHT = 256 << 20
 
     def __init__(self, raw: Any):
         self.raw = raw
-        self._crc, self._size, self._queued = 0, 0, 0
-        self._pending: collections.deque = collections.deque()
-        self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tricorn-crc32")
+        self._crc, self._size = 0, 0
 
     def write(self, data: Any) -> int:
         written = self.raw.write(data)
-        chunk = bytes(data)
-        self._pending.append((self._hasher.submit(self._update, chunk), len(chunk)))
-        self._queued += len(chunk)
-        while self._queued > self._IN_FLIGHT:  # the hasher is behind: wait for its oldest chunk
-            done, size = self._pending.popleft()
-            done.result()
-            self._queued -= size
+        self._crc = zlib.crc32(data, self._crc)
+        self._size += memoryview(data).nbytes
         return written
 
-    def _update(self, chunk: bytes) -> None:  # zlib releases the GIL: this runs beside the writer
-        self._crc = zlib.crc32(chunk, self._crc)
-        self._size += len(chunk)
-
     def checksum(self) -> dict:
-        for done, _ in self._pending:
-            done.result()
-        self._hasher.shutdown(wait=True)
         return {"size": self._size, "crc32": f"{self._crc:08x}"}
 
     def __getattr__(self, name: str) -> Any:  # tell, flush, fileno (fsync), ...
