@@ -141,15 +141,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     from tricorn.parallel.state import destroy_parallel, init_parallel
     from tricorn.training.checkpoint import Checkpointer, CheckpointError
     from tricorn.training.checkpoint_io import load_errors
+    from tricorn.training.logging import MetricsLogger
+    from tricorn.training.loop import NaNError
+    from tricorn.training.signals import ExitConditions
 
     damaged = load_errors(cfg)  # the --load checkpoint's files, checked alike on every rank before anything starts
     if damaged:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"tricorn: error: {damaged[0]}", file=sys.stderr)
         return 1
-    from tricorn.training.logging import MetricsLogger
-    from tricorn.training.loop import NaNError
-    from tricorn.training.signals import ExitConditions
 
     exits = ExitConditions(cfg)  # from here on --exit-signal means "save and exit 0", not "die"
     state = init_parallel(cfg)
