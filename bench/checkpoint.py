@@ -6,6 +6,9 @@ data), takes a few steps, then
 1. saves synchronously `--saves` times (DCP files, fsync'ed, atomic rename, `latest`) and, after each,
    writes the very bytes that save produced as one sequential file in the same directory (fsync'ed):
    bytes/s of both and their ratio (median over the rounds);
+   and the cost of the per-file CRC-32 checksums (hashed by the writer as the bytes go by): each round
+   also saves once with the hashing file system swapped for DCP's plain one, and the extra time of
+   the checksummed save is reported as a fraction of the plain save (median over the rounds);
 2. measures how long training stops for a save: a synchronous save blocks for the whole write; with
    --async-save the trainer only stops for the CPU copy, and the write on a background thread slows the
    iterations that run meanwhile (counted against the median iteration without saves).
@@ -44,6 +47,24 @@ def raw_write(src: Path, dst: Path) -> tuple[int, float]:
     return sum(len(b) for b in blobs), seconds
 
 
+def plain_save_seconds(trainer, ckpt) -> float:
+    """One sync save without the writer's checksums (DCP's plain file system); the small files are still hashed."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from tricorn.training import checkpoint_io
+
+    class Plain(FileSystem):
+        checksums: dict = {}
+
+    hashing, checkpoint_io.HashingFileSystem = checkpoint_io.HashingFileSystem, Plain
+    try:
+        start = time.perf_counter()
+        ckpt.save(trainer)
+        return time.perf_counter() - start
+    finally:
+        checkpoint_io.HashingFileSystem = hashing
+
+
 def build_trainer(args: argparse.Namespace, root: Path):
     from tricorn.config import config_from_args
     from tricorn.parallel.state import init_parallel
@@ -74,7 +95,7 @@ def timed_iteration(trainer) -> float:
 def throughput(trainer, ckpt, root: Path, saves: int) -> None:
     from tricorn.training.checkpoint_io import iter_name
 
-    ckpt_rates, raw_rates = [], []
+    ckpt_rates, raw_rates, hash_shares = [], [], []
     for _ in range(saves):
         trainer.run_iteration()
         start = time.perf_counter()
@@ -85,12 +106,19 @@ def throughput(trainer, ckpt, root: Path, saves: int) -> None:
         raw_size, raw_seconds = raw_write(path, root / "raw_write.bin")
         assert raw_size == size
         ckpt_rates.append(size / seconds)
+        trainer.run_iteration()
+        plain = plain_save_seconds(trainer, ckpt)
+        hash_shares.append((seconds - plain) / plain)
         raw_rates.append(raw_size / raw_seconds)
     c, r = statistics.median(ckpt_rates), statistics.median(raw_rates)
     print(f"checkpoint size        {size / 2**20:10.1f} MiB (model + Adam moments, DCP files + JSON/YAML)")
     print(f"sync save throughput   {c / 2**20:10.1f} MiB/s  (whole save: tensors, fsync, rename, latest)")
     print(f"raw sequential write   {r / 2**20:10.1f} MiB/s  (same bytes, one file, fsync)")
     print(f"save / raw             {c / r:10.2f}")
+    print(
+        f"checksum cost          {100 * statistics.median(hash_shares):10.1f} %  of a sync save without them "
+        "(CRC-32 as the bytes are written; off the training thread with --async-save)"
+    )
 
 
 def stall(cfg, trainer, ckpt, saves: int) -> None:

@@ -33,10 +33,27 @@ def make_checkpoint(root: Path, iteration: int, cfg=CFG, tensors=None) -> Path:
         dcp.save(
             tensors or {"model.w": torch.arange(12.0).view(3, 4), "model.b": torch.ones(5)}, checkpoint_id=str(path), no_dist=True
         )
-    (path / io.META_FILE).write_text(json.dumps({"format_version": io.FORMAT_VERSION, "iteration": iteration}))
+    (path / io.META_FILE).write_text(json.dumps(full_meta(iteration)))
     (path / io.CONFIG_FILE).write_text(dump_yaml(cfg))
     io.atomic_write_text(root / io.LATEST_FILE, f"{iteration}\n")
     return path
+
+
+def full_meta(iteration: int) -> dict:
+    """meta.json as the trainer writes it (every key read_meta checks)."""
+    layout = {"tp": 1, "pp": 1, "vpp": 1, "cp": 1, "dp": 1, "world": 1, "distributed_optimizer": False, "zero_stage": 1}
+    return {
+        "format_version": io.FORMAT_VERSION,
+        "iteration": iteration,
+        "consumed_train_samples": 4 * iteration,
+        "consumed_valid_samples": 0,
+        "optimizer_step": float(iteration),
+        "optimizer_iteration": iteration,
+        "loss_scaler": None,
+        "lr": 1e-3,
+        "layout": {**layout, "params_dtype": "fp32"},
+        "saved_at": 0.0,
+    }
 
 
 def one_line_error(fn, *args) -> str:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from harness import BASE_FLAGS, RunResult, assert_close, run_layout, with_flag
 
-from tricorn.config import ModelConfig, config_from_args
+from tricorn.config import ConfigError, ModelConfig, config_from_args
 from tricorn.model.spec import LayerSpec
 from tricorn.model.transformer import GPTModel
 from tricorn.parallel.recompute import RecomputePlan, apply_recompute
@@ -30,7 +30,10 @@ MICRO_BATCH = config_from_args(FLAGS).training.micro_batch_size
 
 
 def _errors(extra: str, world_size: int = 1) -> list[str]:
-    return validate(config_from_args(FLAGS + extra.split(), world_size=world_size))
+    try:  # a value out of its declared range is refused while the flags are read
+        return validate(config_from_args(FLAGS + extra.split(), world_size=world_size))
+    except ConfigError as e:
+        return [str(e)]
 
 
 # ---------------------------------------------------------------- validation

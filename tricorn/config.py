@@ -20,9 +20,21 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from tricorn.fields import (
+    AT_LEAST_1,
+    NON_NEGATIVE,
+    POSITIVE,
+    PROBABILITY,
+    Bound,
+    field_kind,
+    flag_of,
+    value_error,
+    yaml_type_error,
+)
+
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
-    """A dataclass field that also describes its command-line flag."""
+    """A dataclass field that also describes its command-line flag (`bound`: its allowed range)."""
     meta["help"] = help
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
@@ -31,42 +43,50 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    num_layers: int = _f(2, "Number of transformer blocks.")
-    hidden_size: int = _f(64, "Model width h.")
+    num_layers: int = _f(2, "Number of transformer blocks.", bound=AT_LEAST_1)
+    hidden_size: int = _f(64, "Model width h.", bound=AT_LEAST_1)
     ffn_hidden_size: Optional[int] = _f(
-        None, "MLP inner width (default 4h, or Llama's 2/3*4h rounded to 256 with --swiglu... see README)."
+        None,
+        "MLP inner width (default 4h, or Llama's 2/3*4h rounded to 256 with --swiglu... see README).",
+        bound=AT_LEAST_1,
     )
-    num_attention_heads: int = _f(4, "Query heads a.")
-    num_query_groups: Optional[int] = _f(None, "Key/value heads for GQA/MQA (needs --group-query-attention).")
+    num_attention_heads: int = _f(4, "Query heads a.", bound=AT_LEAST_1)
+    num_query_groups: Optional[int] = _f(None, "Key/value heads for GQA/MQA (needs --group-query-attention).", bound=AT_LEAST_1)
     group_query_attention: bool = _f(False, "Use --num-query-groups key/value heads.")
-    seq_length: int = _f(64, "Tokens per sample.")
-    max_position_embeddings: Optional[int] = _f(None, "Longest position (default: --seq-length).")
+    seq_length: int = _f(64, "Tokens per sample.", bound=AT_LEAST_1)
+    max_position_embeddings: Optional[int] = _f(None, "Longest position (default: --seq-length).", bound=AT_LEAST_1)
     position_embedding_type: str = _f("rope", "Position encoding.", choices=["rope", "learned_absolute"])
-    rotary_base: float = _f(10000.0, "RoPE base theta.")
+    rotary_base: float = _f(10000.0, "RoPE base theta.", bound=POSITIVE)
     rotary_angles_dtype: str = _f(
         "float64",
         "Precision of the RoPE angle tables (float32: transformers' and Megatron's tables).",
         choices=["float64", "float32"],
     )
     use_rope_scaling: bool = _f(False, "Llama 3.1 RoPE frequency scaling (Hugging Face rope_type 'llama3').")
-    rope_scaling_factor: float = _f(8.0, "Llama 3.1 RoPE scaling: divide low frequencies by this.")
+    rope_scaling_factor: float = _f(8.0, "Llama 3.1 RoPE scaling: divide low frequencies by this.", bound=POSITIVE)
     rope_scaling_low_freq_factor: float = _f(1.0, "Llama 3.1 RoPE scaling: wavelengths above original/this are scaled.")
     rope_scaling_high_freq_factor: float = _f(4.0, "Llama 3.1 RoPE scaling: wavelengths below original/this are kept.")
-    rope_scaling_original_max_position_embeddings: int = _f(8192, "Llama 3.1 RoPE scaling: the pre-training context length.")
+    rope_scaling_original_max_position_embeddings: int = _f(
+        8192, "Llama 3.1 RoPE scaling: the pre-training context length.", bound=AT_LEAST_1
+    )
     normalization: str = _f("RMSNorm", "Norm layer.", choices=["RMSNorm", "LayerNorm"])
-    norm_epsilon: float = _f(1e-5, "Epsilon of the norms.")
+    norm_epsilon: float = _f(1e-5, "Epsilon of the norms.", bound=POSITIVE)
     swiglu: bool = _f(False, "SwiGLU MLP instead of GeLU.")
     disable_bias_linear: bool = _f(False, "No biases in the linear layers.")
     untie_embeddings_and_output_weights: bool = _f(False, "Separate output head instead of reusing the embedding.")
-    hidden_dropout: float = _f(0.0, "Dropout on the residual branches.")
-    attention_dropout: float = _f(0.0, "Dropout on the attention probabilities.")
-    init_method_std: float = _f(0.02, "Std of the normal initialisation.")
-    vocab_size: Optional[int] = _f(None, "Vocabulary size (NullTokenizer / mock data; otherwise from the tokenizer).")
-    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this times TP.")
+    hidden_dropout: float = _f(0.0, "Dropout on the residual branches.", bound=PROBABILITY)
+    attention_dropout: float = _f(0.0, "Dropout on the attention probabilities.", bound=PROBABILITY)
+    init_method_std: float = _f(0.02, "Std of the normal initialisation.", bound=POSITIVE)
+    vocab_size: Optional[int] = _f(
+        None, "Vocabulary size (NullTokenizer / mock data; otherwise from the tokenizer).", bound=AT_LEAST_1
+    )
+    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this times TP.", bound=AT_LEAST_1)
     # Activation recomputation (issue: Recompute).
     recompute_granularity: Optional[str] = _f(None, "Recompute activations in backward.", choices=["full", "selective"])
     recompute_method: Optional[str] = _f(None, "How full recompute picks layers.", choices=["uniform", "block"])
-    recompute_num_layers: Optional[int] = _f(None, "Layers per recompute group (uniform) or recomputed layers per stage (block).")
+    recompute_num_layers: Optional[int] = _f(
+        None, "Layers per recompute group (uniform) or recomputed layers per stage (block).", bound=AT_LEAST_1
+    )
     recompute_modules: list = _f(
         ["core_attn"], "Modules recomputed by selective recompute.", nargs="+", choices=["core_attn", "mlp", "norm"]
     )
@@ -98,14 +118,22 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = _f(1, "TP: ranks that split each layer's matrices (keep within a node).")
-    pipeline_model_parallel_size: int = _f(1, "PP: pipeline stages.")
-    context_parallel_size: int = _f(1, "CP: ranks that split the sequence of each sample.")
+    tensor_model_parallel_size: int = _f(1, "TP: ranks that split each layer's matrices (keep within a node).", bound=AT_LEAST_1)
+    pipeline_model_parallel_size: int = _f(1, "PP: pipeline stages.", bound=AT_LEAST_1)
+    context_parallel_size: int = _f(1, "CP: ranks that split the sequence of each sample.", bound=AT_LEAST_1)
     sequence_parallel: bool = _f(False, "Shard norms/dropout activations along the sequence over TP.")
-    num_layers_per_virtual_pipeline_stage: Optional[int] = _f(None, "Layers per model chunk (interleaved 1F1B).")
-    num_virtual_stages_per_pipeline_rank: Optional[int] = _f(None, "Model chunks per pipeline rank (interleaved 1F1B).")
-    decoder_first_pipeline_num_layers: Optional[int] = _f(None, "Layers on the first pipeline stage (uneven split).")
-    decoder_last_pipeline_num_layers: Optional[int] = _f(None, "Layers on the last pipeline stage (uneven split).")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = _f(
+        None, "Layers per model chunk (interleaved 1F1B).", bound=AT_LEAST_1
+    )
+    num_virtual_stages_per_pipeline_rank: Optional[int] = _f(
+        None, "Model chunks per pipeline rank (interleaved 1F1B).", bound=AT_LEAST_1
+    )
+    decoder_first_pipeline_num_layers: Optional[int] = _f(
+        None, "Layers on the first pipeline stage (uneven split).", bound=NON_NEGATIVE
+    )
+    decoder_last_pipeline_num_layers: Optional[int] = _f(
+        None, "Layers on the last pipeline stage (uneven split).", bound=NON_NEGATIVE
+    )
     pipeline_schedule: str = _f(
         "1f1b", "Pipeline schedule (interleaved is picked automatically with virtual stages).", choices=["1f1b", "gpipe"]
     )
@@ -113,44 +141,48 @@ class ParallelConfig:
     zero_stage: int = _f(1, "ZeRO stage with --use-distributed-optimizer.", choices=[1, 2, 3])
     overlap_grad_reduce: bool = _f(False, "Overlap the DP gradient reduction with backward.")
     overlap_param_gather: bool = _f(False, "Overlap the distributed optimizer's parameter all-gather with forward.")
-    ddp_bucket_size: Optional[int] = _f(None, "Elements per DP gradient bucket (default: max(40M, 1M*DP)).")
+    ddp_bucket_size: Optional[int] = _f(None, "Elements per DP gradient bucket (default: max(40M, 1M*DP)).", bound=AT_LEAST_1)
     grad_reduce_in_bf16: bool = _f(False, "Reduce gradients in bf16 instead of fp32.")
     optimizer_cpu_offload: bool = _f(False, "Keep master weights and optimizer state on CPU and step there.")
-    distributed_timeout_minutes: int = _f(10, "Timeout of collectives; a dead peer becomes an error.")
+    distributed_timeout_minutes: int = _f(10, "Timeout of collectives; a dead peer becomes an error.", bound=AT_LEAST_1)
 
 
 @dataclass
 class TrainingConfig:
-    micro_batch_size: int = _f(1, "Samples per microbatch per DP rank.")
-    global_batch_size: Optional[int] = _f(None, "Samples per iteration over all DP ranks (default: micro * DP).")
-    rampup_batch_size: Optional[list] = _f(None, "START INCREMENT SAMPLES: grow the global batch.", nargs=3, type=int)
-    train_iters: int = _f(10, "Iterations to train.")
-    lr: float = _f(1e-4, "Peak learning rate.")
-    min_lr: float = _f(0.0, "Floor of the decayed learning rate.")
+    micro_batch_size: int = _f(1, "Samples per microbatch per DP rank.", bound=AT_LEAST_1)
+    global_batch_size: Optional[int] = _f(
+        None, "Samples per iteration over all DP ranks (default: micro * DP).", bound=AT_LEAST_1
+    )
+    rampup_batch_size: Optional[list] = _f(
+        None, "START INCREMENT SAMPLES: grow the global batch.", nargs=3, type=int, bound=AT_LEAST_1
+    )
+    train_iters: int = _f(10, "Iterations to train.", bound=AT_LEAST_1)
+    lr: float = _f(1e-4, "Peak learning rate.", bound=NON_NEGATIVE)
+    min_lr: float = _f(0.0, "Floor of the decayed learning rate.", bound=NON_NEGATIVE)
     lr_decay_style: str = _f("linear", "Decay after warm-up.", choices=["constant", "linear", "cosine"])
-    lr_warmup_iters: int = _f(0, "Linear warm-up iterations.")
-    lr_decay_iters: Optional[int] = _f(None, "Iterations of decay (default: --train-iters).")
-    weight_decay: float = _f(0.01, "AdamW weight decay (not applied to biases and norms).")
-    adam_beta1: float = _f(0.9, "Adam beta1.")
-    adam_beta2: float = _f(0.999, "Adam beta2.")
-    adam_eps: float = _f(1e-8, "Adam epsilon.")
-    clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0 disables).")
-    seed: int = _f(1234, "Seed of initialisation, data order and dropout.")
+    lr_warmup_iters: int = _f(0, "Linear warm-up iterations.", bound=NON_NEGATIVE)
+    lr_decay_iters: Optional[int] = _f(None, "Iterations of decay (default: --train-iters).", bound=AT_LEAST_1)
+    weight_decay: float = _f(0.01, "AdamW weight decay (not applied to biases and norms).", bound=NON_NEGATIVE)
+    adam_beta1: float = _f(0.9, "Adam beta1.", bound=PROBABILITY)
+    adam_beta2: float = _f(0.999, "Adam beta2.", bound=PROBABILITY)
+    adam_eps: float = _f(1e-8, "Adam epsilon.", bound=POSITIVE)
+    clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0 disables).", bound=NON_NEGATIVE)
+    seed: int = _f(1234, "Seed of initialisation, data order and dropout.", bound=Bound(lo=0, hi=2**32 - 1))
     bf16: bool = _f(False, "bf16 parameters and compute, fp32 master weights.")
     fp16: bool = _f(False, "fp16 parameters and compute with dynamic loss scaling.")
-    loss_scale: Optional[float] = _f(None, "Static loss scale for fp16 (default: dynamic).")
-    initial_loss_scale: float = _f(2.0**16, "Initial dynamic loss scale.")
-    min_loss_scale: float = _f(1.0, "Smallest dynamic loss scale.")
-    loss_scale_window: int = _f(1000, "Iterations without overflow before the scale doubles.")
-    hysteresis: int = _f(2, "Overflows tolerated before the scale halves.")
+    loss_scale: Optional[float] = _f(None, "Static loss scale for fp16 (default: dynamic).", bound=POSITIVE)
+    initial_loss_scale: float = _f(2.0**16, "Initial dynamic loss scale.", bound=POSITIVE)
+    min_loss_scale: float = _f(1.0, "Smallest dynamic loss scale.", bound=POSITIVE)
+    loss_scale_window: int = _f(1000, "Iterations without overflow before the scale doubles.", bound=AT_LEAST_1)
+    hysteresis: int = _f(2, "Overflows tolerated before the scale halves.", bound=AT_LEAST_1)
     fp8_format: Optional[str] = _f(None, "FP8 through Transformer Engine (GPU only).", choices=["e4m3", "hybrid"])
     check_for_nan_in_loss_and_grad: bool = _f(
         True, "Stop when the loss or grad norm is NaN/Inf.", negate="--no-check-for-nan-in-loss-and-grad"
     )
     exit_signal_handler: bool = _f(False, "Save and exit 0 when --exit-signal arrives.")
     exit_signal: str = _f("SIGTERM", "Signal caught by --exit-signal-handler.", choices=["SIGTERM", "SIGUSR1", "SIGINT"])
-    exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes.")
-    exit_interval: Optional[int] = _f(None, "Save and exit at an iteration divisible by this.")
+    exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes.", bound=POSITIVE)
+    exit_interval: Optional[int] = _f(None, "Save and exit at an iteration divisible by this.", bound=AT_LEAST_1)
 
 
 @dataclass
@@ -169,32 +201,35 @@ class DataConfig:
     )
     tokenizer_model: Optional[str] = _f(None, "SentencePiece model file.")
     legacy_tokenizer: bool = _f(False, "Legacy Megatron tokenizers: NullTokenizer eod V (vocab V+1), Llama2Tokenizer BOS.")
-    eval_interval: int = _f(1000, "Evaluate on the validation split every N iterations.")
-    eval_iters: int = _f(10, "Validation iterations per evaluation.")
-    num_workers: int = _f(0, "Data loader worker processes.")
+    eval_interval: int = _f(1000, "Evaluate on the validation split every N iterations.", bound=AT_LEAST_1)
+    eval_iters: int = _f(10, "Validation iterations per evaluation.", bound=NON_NEGATIVE)
+    num_workers: int = _f(0, "Data loader worker processes.", bound=NON_NEGATIVE)
 
 
 @dataclass
 class CheckpointConfig:
     save: Optional[str] = _f(None, "Directory to save checkpoints to.")
     load: Optional[str] = _f(None, "Directory to resume from (empty or absent: start fresh).")
-    save_interval: Optional[int] = _f(None, "Save every N iterations.")
-    ckpt_step: Optional[int] = _f(None, "Load this iteration instead of the latest.")
+    save_interval: Optional[int] = _f(None, "Save every N iterations.", bound=AT_LEAST_1)
+    ckpt_step: Optional[int] = _f(None, "Load this iteration instead of the latest.", bound=NON_NEGATIVE)
     no_load_optim: bool = _f(False, "Do not load optimizer state.")
     no_load_rng: bool = _f(False, "Do not load RNG state.")
     finetune: bool = _f(False, "Load weights only and start at iteration 0.")
     async_save: bool = _f(False, "Write checkpoints in the background.")
-    keep_last_n_checkpoints: Optional[int] = _f(None, "Delete older checkpoints once a newer one is complete.")
+    verify_checkpoint: bool = _f(
+        True, "Check every checkpoint file against its checksum before loading.", negate="--no-verify-checkpoint"
+    )
+    keep_last_n_checkpoints: Optional[int] = _f(None, "Delete older checkpoints once a newer one is complete.", bound=AT_LEAST_1)
 
 
 @dataclass
 class LoggingConfig:
     tensorboard_dir: Optional[str] = _f(None, "TensorBoard event directory.")
-    log_interval: int = _f(10, "Log every N iterations.")
+    log_interval: int = _f(10, "Log every N iterations.", bound=AT_LEAST_1)
     log_dir: Optional[str] = _f(None, "Per-rank log files.")
     log_params_norm: bool = _f(False, "Log the parameter norm (costs an extra reduction).")
     timing_log_level: int = _f(0, "0: iteration time only; 1: per-phase timers; 2: plus min/max over ranks.", choices=[0, 1, 2])
-    peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device for MFU (default: from the GPU table).")
+    peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device for MFU (default: from the GPU table).", bound=POSITIVE)
     metrics_file: Optional[str] = _f(None, "Also append each logged iteration's metrics as one JSON line to this file (rank 0).")
 
 
@@ -342,9 +377,16 @@ def _flag_names() -> dict[str, tuple[str, str]]:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are a ConfigError (one `tricorn: error:` line from the entry point, not usage + exit)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ConfigError(f"{message}; see --help")
+
+
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     """The command line, generated from the dataclasses (defaults are None so we can tell what was given)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog, description="tricorn: Megatron-style 3D-parallel GPT pretraining.", argument_default=argparse.SUPPRESS
     )
     parser.add_argument(
@@ -356,12 +398,13 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            flag = flag_of(f)
             meta = dict(f.metadata)
             helptext = meta.pop("help")
             negate = meta.pop("negate", None)
-            ftype = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
-            if ftype == "bool":
+            meta.pop("bound", None)
+            base, _ = field_kind(f)
+            if base == "bool":
                 if negate:
                     group.add_argument(negate, dest=f.name, action="store_false", help=helptext + " (on by default)")
                     group.add_argument(flag, dest=f.name, action="store_true", help=argparse.SUPPRESS)
@@ -369,10 +412,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                     group.add_argument(flag, dest=f.name, action="store_true", help=helptext)
                 continue
             if "type" not in meta:
-                base = ftype.replace("Optional[", "").rstrip("]")
                 meta["type"] = {"int": int, "float": float}.get(base, str)
-                if base == "list":
-                    meta["type"] = str
             if "choices" in meta and meta["type"] is str:
                 meta["choices"] = [str(c) for c in meta["choices"]]
             group.add_argument(flag, dest=f.name, help=helptext, **meta)
@@ -397,26 +437,54 @@ def _apply_yaml(cfg: Config, path: str) -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     top_keys = list(SECTIONS) + ["device", "model_preset"]
+    errors: list[str] = []
     for key, value in data.items():
         if key in ("device", "model_preset"):
-            setattr(cfg, key, value)
+            if value is not None and not isinstance(value, str):
+                errors.append(f"'{key}' in {path} must be a string, got {value!r}")
+            elif key == "device" and value not in (None, "cpu", "cuda"):
+                errors.append(f"'device' in {path} must be cpu or cuda, got {value!r}")
+            else:
+                setattr(cfg, key, value)
             continue
         if key not in SECTIONS:
             raise ConfigError(f"unknown section '{key}' in {path}{_suggest(key, top_keys)}")
         if not isinstance(value, dict):
             raise ConfigError(f"section '{key}' in {path} must be a mapping")
         section = getattr(cfg, key)
-        names = [f.name for f in dataclasses.fields(section)]
+        fields = {f.name: f for f in dataclasses.fields(section)}
         for k, v in value.items():
-            k2 = k.replace("-", "_")
-            if k2 not in names:
-                raise ConfigError(f"unknown key '{key}.{k}' in {path}{_suggest(k2, names)}")
-            setattr(section, k2, v)
+            k2 = str(k).replace("-", "_")
+            if k2 not in fields:
+                raise ConfigError(f"unknown key '{key}.{k}' in {path}{_suggest(k2, list(fields))}")
+            problem = yaml_type_error(fields[k2], v)
+            if problem:
+                errors.append(f"'{key}.{k}' in {path} (the value of {flag_of(fields[k2])}) {problem}")
+            else:
+                setattr(section, k2, float(v) if field_kind(fields[k2])[0] == "float" else v)
+    if errors:
+        raise ConfigError("; also: ".join(errors))
+
+
+def field_errors(cfg: Config) -> list[str]:
+    """Every field outside its range or type, one sentence each ("--lr must be at least 0, got -0.001").
+
+    The one range check of every value, from the flags, the YAML or code: run by config_from_args before
+    any derived value is computed, and again by validate() for configs built in code.
+    """
+    errors: list[str] = []
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            problem = value_error(f, getattr(obj, f.name))
+            if problem:
+                errors.append(f"{flag_of(f)} {problem}")
+    return errors
 
 
 def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> Config:
     """Defaults <- preset <- YAML <- flags. Raises ConfigError; does not validate."""
-    args = vars(build_parser().parse_args(argv))
+    args = vars(build_parser().parse_args(argv))  # ConfigError on a malformed flag
     cfg = Config()
     if "config" in args:
         _apply_yaml(cfg, args.pop("config"))
@@ -443,6 +511,9 @@ def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int]
     cfg.world_size = (
         world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     )
+    errors = field_errors(cfg)
+    if errors:  # before the derived values: they divide by the parallel sizes
+        raise ConfigError("; also: ".join(errors))
     _resolve_defaults(cfg)
     return cfg
 

@@ -8,7 +8,12 @@ from tricorn.parallel or tricorn.training. No collectives, no memory.
 
 from __future__ import annotations
 
-from tricorn.config import Config
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from tricorn.config import Config, field_errors
 from tricorn.parallel.batch_schedule import validate_rampup
 from tricorn.parallel.pipeline.stages import validate_pipeline
 from tricorn.parallel.recompute import validate_recompute
@@ -18,21 +23,8 @@ from tricorn.parallel.te import TransformerEngineUnavailable, import_te
 def validate(cfg: Config) -> list[str]:
     """Every problem with the config, one sentence each, before any process group exists."""
     m, p, t, d = cfg.model, cfg.parallel, cfg.training, cfg.data
-    errs: list[str] = []
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-    for name, v in [
-        ("--tensor-model-parallel-size", tp),
-        ("--pipeline-model-parallel-size", pp),
-        ("--context-parallel-size", cp),
-        ("--num-layers", m.num_layers),
-        ("--hidden-size", m.hidden_size),
-        ("--num-attention-heads", m.num_attention_heads),
-        ("--seq-length", m.seq_length),
-        ("--micro-batch-size", t.micro_batch_size),
-        ("--train-iters", t.train_iters),
-    ]:
-        if v < 1:
-            errs.append(f"{name} must be at least 1, got {v}")
+    errs = field_errors(cfg)  # types and ranges first: the checks below divide by these values
     if errs:
         return errs
     # The split of the model over TP comes first: it is what a user asking for a layout most needs to see.
@@ -82,6 +74,8 @@ def validate(cfg: Config) -> list[str]:
             "--overlap-param-gather needs --use-distributed-optimizer (plain DDP all-reduces gradients; "
             "there is no parameter all-gather to overlap)"
         )
+    if t.min_lr > t.lr:
+        errs.append(f"--min-lr {t.min_lr} is above --lr {t.lr}; the decay would raise the learning rate")
     if t.bf16 and t.fp16:
         errs.append("--bf16 and --fp16 are exclusive; pick one")
     if cfg.device not in ("cpu", "cuda"):
@@ -106,3 +100,57 @@ def validate(cfg: Config) -> list[str]:
     if not errs:  # each feature validates its own flags once the basic shape is sound
         errs += validate_pipeline(cfg) + validate_rampup(cfg) + validate_recompute(cfg)
     return errs
+
+
+# ---------------------------------------------------------------- output paths, checked before launch
+
+
+def output_path_errors(cfg: Config) -> list[str]:
+    """Every output path that training would fail to create or write, found before anything is created.
+
+    Directories (--save, --tensorboard-dir, --log-dir, --data-cache-path) must be directories or creatable
+    ones; --metrics-file must be a file or creatable; --load, when it exists, must be a directory. A
+    probe file is created and removed in the nearest existing directory, so permissions, read-only
+    mounts and pseudo file systems (/proc) are all caught the same way; nothing else is written.
+    """
+    c, lg = cfg.checkpoint, cfg.logging
+    dirs = [("--save", c.save), ("--tensorboard-dir", lg.tensorboard_dir), ("--log-dir", lg.log_dir)]
+    dirs.append(("--data-cache-path", cfg.data.data_cache_path))
+    errs = [e for flag, path in dirs if path for e in [_writable_error(flag, path, want_dir=True)] if e]
+    if lg.metrics_file:
+        errs += [e for e in [_writable_error("--metrics-file", lg.metrics_file, want_dir=False)] if e]
+    if c.load and os.path.exists(c.load) and not os.path.isdir(c.load):
+        errs.append(f"--load {c.load} is a file; it needs the checkpoint directory (the one --save wrote)")
+    return errs
+
+
+def _writable_error(flag: str, path: str, want_dir: bool) -> Optional[str]:
+    target = Path(path)
+    if target.exists():
+        if want_dir and not target.is_dir():
+            return f"{flag} {path} is a file but must be a directory; remove it or pick another path"
+        if not want_dir and target.is_dir():
+            return f"{flag} {path} is a directory but must be a file; name a file inside it"
+        if not want_dir:
+            return _access_error(flag, path, os.access(target, os.W_OK), "the file is not writable")
+        return _probe_error(flag, path, target)
+    parent = target.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{flag} {path} cannot be created: {parent} is a file, not a directory"
+    return _probe_error(flag, path, parent)
+
+
+def _probe_error(flag: str, path: str, directory: Path) -> Optional[str]:
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tricorn-probe-", dir=directory)
+    except OSError as e:
+        return _access_error(flag, path, False, f"cannot write in {directory} ({e.strerror})")
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def _access_error(flag: str, path: str, ok: bool, why: str) -> Optional[str]:
+    return None if ok else f"{flag} {path}: {why}; pick a writable location"

@@ -11,9 +11,13 @@
 .bin: the tokens of all sequences, concatenated.
 
 For GPT data each document is one sequence. Reading memory-maps both files
-(no copy; pages come from the OS cache). Opening validates the header and that
-the sizes agree with the .bin length, so a truncated or foreign file is one
-clear DataError instead of garbage tokens. The builder writes to temporary
+(no copy; pages come from the OS cache). Opening validates the whole index,
+vectorised in bounded chunks: the header (an integer token dtype), non-negative
+lengths, every pointer equal to the previous one plus its sequence's bytes,
+document indices non-decreasing from 0 to the sequence count, and the .bin
+length; so a truncated, corrupt or foreign file is one clear DataError instead
+of garbage tokens. `token_range()` reads the whole .bin (chunked) for the
+smallest and largest token id. The builder writes to temporary
 names and renames at finalize, so an interrupted run never leaves a pair that
 looks complete. No collectives.
 """
@@ -45,6 +49,8 @@ DTYPE_CODES: dict[int, type] = {
     8: np.uint16,
 }
 _CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
+# Entries per vectorised pass over the index or the tokens: bounds the temporaries (~128 MiB of int64).
+_CHUNK = 1 << 24
 
 
 def best_token_dtype(vocab_size: Optional[int]) -> type:
@@ -209,6 +215,7 @@ class IndexedDataset:
         self.document_indices = np.frombuffer(self._idx, np.int64, doc_count, offset + count * 12)
         self.sequence_modes = np.frombuffer(self._idx, np.int8, count, base) if count and size == base + count else None
         self._check_documents(idx_path, count, doc_count)
+        self._check_sequences(idx_path, count)
         self._bin = self._open_bin(bin_path, idx_path, count, mmap)
 
     def _read_header(self, idx_path: str) -> tuple:
@@ -223,6 +230,12 @@ class IndexedDataset:
             raise DataError(f"{idx_path}: index version {header[1]} is not supported (expected {INDEX_VERSION})")
         if header[2] not in DTYPE_CODES:
             raise DataError(f"{idx_path}: unknown dtype code {header[2]} (valid: {sorted(DTYPE_CODES)}); the file is corrupt")
+        dtype = np.dtype(DTYPE_CODES[header[2]])
+        if dtype.kind not in "iu":
+            raise DataError(
+                f"{idx_path}: holds {dtype} tokens (dtype code {header[2]}) but token ids are integers; "
+                "re-run `tricorn preprocess` on the text"
+            )
         return header
 
     def _check_documents(self, idx_path: str, count: int, doc_count: int) -> None:
@@ -232,6 +245,46 @@ class IndexedDataset:
             raise DataError(
                 f"{idx_path}: document indices run from {first} to {last} but must run from 0 to the sequence count {count}; the file is corrupt"
             )
+
+    def _check_sequences(self, idx_path: str, count: int) -> None:
+        """Lengths >= 0 and pointer[i] = pointer[i-1] + length[i-1] * itemsize (pointer[0] = 0), chunk by chunk."""
+        lengths, pointers, size = self.sequence_lengths, self.sequence_pointers, self.dtype.itemsize
+        if count and pointers[0] != 0:
+            raise DataError(f"{idx_path}: sequence 0 starts at byte {int(pointers[0])}, not 0; the file is corrupt")
+        for start in range(0, count, _CHUNK):
+            stop = min(start + _CHUNK, count)
+            negative = np.flatnonzero(lengths[start:stop] < 0)
+            if negative.size:
+                i = start + int(negative[0])
+                raise DataError(
+                    f"{idx_path}: sequence {i} has length {int(lengths[i])}; the file is corrupt, re-run `tricorn preprocess`"
+                )
+            lo = max(start, 1)
+            expected = pointers[lo - 1 : stop - 1] + lengths[lo - 1 : stop - 1].astype(np.int64) * size
+            wrong = np.flatnonzero(pointers[lo:stop] != expected)
+            if wrong.size:
+                i = lo + int(wrong[0])
+                raise DataError(
+                    f"{idx_path}: sequence {i} starts at byte {int(pointers[i])} but the lengths before it put it at "
+                    f"{int(expected[wrong[0]])}; the file is corrupt, re-run `tricorn preprocess`"
+                )
+        docs = self.document_indices
+        for start in range(1, docs.size, _CHUNK):
+            stop = min(start + _CHUNK, docs.size)
+            falling = np.flatnonzero(docs[start:stop] < docs[start - 1 : stop - 1])
+            if falling.size:
+                i = start + int(falling[0])
+                raise DataError(
+                    f"{idx_path}: document index {i} ({int(docs[i])}) is below the one before it ({int(docs[i - 1])}); the file is corrupt"
+                )
+
+    def token_range(self) -> tuple[int, int]:
+        """(smallest, largest) token id in the whole .bin, read in chunks; (0, 0) when empty."""
+        tokens = np.frombuffer(self._bin, self.dtype, self._bin.size // self.dtype.itemsize)
+        if tokens.size == 0:
+            return 0, 0
+        parts = [(int(c.min()), int(c.max())) for c in (tokens[i : i + _CHUNK] for i in range(0, tokens.size, _CHUNK))]
+        return min(p[0] for p in parts), max(p[1] for p in parts)
 
     def _open_bin(self, bin_path: str, idx_path: str, count: int, mmap: bool) -> np.ndarray:
         size = os.path.getsize(bin_path)
@@ -273,11 +326,6 @@ class IndexedDataset:
             raise IndexError(f"tokens [{offset}, {offset + length}) are outside sequence {idx} of length {seq_len}")
         start = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
         return np.frombuffer(self._bin, self.dtype, length, start)
-
-    def head_tokens(self, count: int) -> np.ndarray:
-        """The first `count` tokens of the .bin (fewer if it is shorter), across sequences."""
-        count = min(count, self._bin.size // self.dtype.itemsize)
-        return np.frombuffer(self._bin, self.dtype, count)
 
     @property
     def num_documents(self) -> int:

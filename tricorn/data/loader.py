@@ -28,14 +28,13 @@ import numpy as np
 
 from tricorn.data.base import GlobalBatchLoader, MockSamples, SampleSource
 from tricorn.data.blended import SURPLUS, BlendedDataset, blend_sizes
+from tricorn.data.cache import load_or_build
 from tricorn.data.errors import DataError
 from tricorn.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_ranges
 from tricorn.data.indexed import IndexedDataset
 from tricorn.data.tokenizer import build_tokenizer, loss_pad_id
 
 log = logging.getLogger(__name__)
-# Token ids checked against the vocabulary when a run starts: enough to catch the wrong tokenizer, cheap to read.
-_VOCAB_CHECK_TOKENS = 1 << 20
 
 
 @dataclass
@@ -235,13 +234,27 @@ def check_data_files(cfg: Any, padded_vocab: int) -> list[str]:
                 errs.append(
                     f"--split {train_spec[1]} leaves no training documents of the {len(indexed)} in {prefix}; give train a larger share"
                 )
-        head = indexed.head_tokens(_VOCAB_CHECK_TOKENS)
-        top = int(head.max()) if head.size else 0
-        if top >= padded_vocab or (head.size and int(head.min()) < 0):
+        low, top = token_range(indexed, cfg.data.data_cache_path)
+        if top >= padded_vocab or low < 0:
             errs.append(
-                f"{prefix}.bin holds token id {top if top >= padded_vocab else int(head.min())} outside the model's vocabulary "
+                f"{prefix}.bin holds token id {top if top >= padded_vocab else low} outside the model's vocabulary "
                 f"[0, {padded_vocab}); was it preprocessed with another tokenizer than {cfg.data.tokenizer_model or cfg.data.tokenizer_type}?"
             )
-    if cfg.data.data_cache_path and os.path.exists(cfg.data.data_cache_path) and not os.path.isdir(cfg.data.data_cache_path):
-        errs.append(f"--data-cache-path {cfg.data.data_cache_path} exists and is not a directory")
     return errs
+
+
+def token_range(indexed: IndexedDataset, cache_dir: Optional[str]) -> tuple[int, int]:
+    """(smallest, largest) token id of the whole .bin, cached beside the sample indices (keyed by the files' size and time)."""
+    prefix = indexed.path_prefix
+    files = [os.stat(path) for path in (prefix + ".bin", prefix + ".idx")]
+    description = {
+        "class": "TokenRange",
+        "path_prefix": os.path.abspath(prefix),
+        "dtype": str(indexed.dtype),
+        "files": [[st.st_size, st.st_mtime_ns] for st in files],
+    }
+    arrays = load_or_build(
+        cache_dir, "TokenRange", "all", description, ["range"], lambda: {"range": np.array(indexed.token_range(), np.int64)}
+    )
+    low, top = (int(v) for v in arrays["range"])
+    return low, top

@@ -71,6 +71,7 @@ class Report:
     bad_first: list[str] = field(default_factory=list)  # "file:line (kind)"
     empty: int = 0
     empty_first: list[str] = field(default_factory=list)
+    first_problem: str = ""  # "file:line: kind (detail)" of the first skipped line, for the no-documents error
     outputs: list[str] = field(default_factory=list)  # output prefixes
     seconds: float = 0.0
 
@@ -90,6 +91,14 @@ class Report:
         if self.empty:
             out.append(f"skipped {self.empty} empty documents; first: {', '.join(self.empty_first)}")
         return out
+
+    def why_nothing(self) -> str:
+        """Why no document was usable: what every line was skipped for, and the first example."""
+        kinds = [f"{n} {kind}" for kind, n in sorted(self.bad.items())] + ([f"{self.empty} {EMPTY}"] if self.empty else [])
+        blank = f"{self.documents} blank documents (no tokens)" if self.documents else ""
+        if not kinds:
+            return f"the input holds only {blank}" if blank else "the input holds no lines"
+        return f"every line was skipped or blank ({', '.join(kinds + ([blank] if blank else []))}; first: {self.first_problem})"
 
 
 # ---------------------------------------------------------------- tokenizing (runs in workers)
@@ -260,7 +269,9 @@ def preprocess(
                 )
                 next_log = (report.documents // log_interval + 1) * log_interval
         if report.tokens == 0:  # nothing, or only blank documents: surely not what was meant
-            raise DataError(f"no usable documents in {' '.join(inputs)} (json keys: {' '.join(keys)}); nothing written")
+            raise DataError(
+                f"no usable documents in {' '.join(inputs)} (json keys: {' '.join(keys)}): {report.why_nothing()}; nothing written"
+            )
         for key, prefix in zip(keys, report.outputs):
             builders[key].finalize(index_file_path(prefix))
     except BaseException:
@@ -285,6 +296,7 @@ def write_documents(builder: IndexedDatasetBuilder, tokens: np.ndarray, lengths:
 def _record_issues(report: Report, result: ChunkResult, path: str, strict: bool) -> None:
     for line_no, kind, detail in result.issues:
         where = f"{path}:{line_no}"
+        report.first_problem = report.first_problem or f"{where}: {kind}{f' ({detail})' if detail else ''}"
         if kind == EMPTY:
             report.empty += 1
             if len(report.empty_first) < FIRST_REPORTED:

@@ -33,7 +33,11 @@ the next save, or the exit, waits for it.
 
 Collectives: a save = one broadcast (temp name), one scalar all-reduce (step),
 one all-reduce per parameter over DP x CP when the optimizer is DP-sharded,
-DCP's plan/finish gathers, two barriers; a load = DCP's plan gathers.
+DCP's plan/finish gathers, one gather of the checksums, a barrier; a load =
+one all-gather of checksum results (unless --no-verify-checkpoint), DCP's plan gathers.
+Checksums: each rank hashes the shard it wrote on the writer thread (the
+background thread with --async-save) and its RNG file; rank 0 writes them with
+its own files' into checksums.json before the rename that publishes the save.
 Memory: sync save none (writes from the live tensors) except assembled DP-sharded
 optimizer state (TP-local, ~3x the parameters); async save one CPU copy of
 what this rank writes; load one TP-local copy of what it reads.
@@ -61,6 +65,7 @@ from tricorn.model.init import INIT_KEY_ATTR, global_shape, shard_info
 from tricorn.parallel.state import ParallelState
 from tricorn.training import checkpoint_io as io
 from tricorn.training.checkpoint_io import CheckpointError
+from tricorn.training.checksums import file_checksums
 from tricorn.training.lr_schedule import learning_rate
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -245,8 +250,17 @@ class Checkpointer:
             io.atomic_write_text(tmp / io.CONFIG_FILE, dump_yaml(self.cfg))
         # DCP's finish gathers every rank's write result before rank 0 writes .metadata, so when save()
         # returns every shard file (and, written before, every RNG file) is on disk.
-        dcp.save(tensors, storage_writer=io.Writer(tmp, iteration, rank), process_group=self.group)
+        writer = io.Writer(tmp, iteration, rank)
+        dcp.save(tensors, storage_writer=writer, process_group=self.group)
+        # Each rank's checksums (its shard, hashed by the writer; its RNG file) go to rank 0, which adds its
+        # own small files and writes the manifest before publishing: a published checkpoint always has one.
+        mine = {**writer.checksums, **file_checksums(tmp, [f"{io.RNG_DIR}/{self.state.grid_name()}.json"])}
+        everyone: Optional[list] = [None] * self.state.world_size if rank == 0 else None
+        dist.gather_object(mine, everyone, dst=0, group=self.group)
         if rank == 0:
+            checksums = {k: v for part in everyone for k, v in part.items()}
+            checksums.update(file_checksums(tmp, [io.META_FILE, io.CONFIG_FILE]))  # .metadata: hashed by rank 0's writer
+            io.write_manifest(tmp, checksums)
             self._publish(tmp, iteration)
         dist.barrier(group=self.group)
 
@@ -302,6 +316,7 @@ class Checkpointer:
         if path is None:
             return 0
         meta, md = io.verify_checkpoint(path, self.cfg.model)
+        self._verify_checksums(path, md)
         # A weights-only checkpoint (`tricorn import-hf`) has no optimizer state, data position or RNG states:
         # like Megatron's converted "release" checkpoints it always starts training at iteration 0.
         weights_only = bool(meta.get("weights_only"))
@@ -315,6 +330,25 @@ class Checkpointer:
         self._load_rng(path, meta)
         self.loaded_iteration = trainer.iteration
         return trainer.iteration
+
+    def _verify_checksums(self, path: Path, md) -> None:
+        """Every file against checksums.json, each rank a share; the first mismatch is the same error on every rank."""
+        if not self.cfg.checkpoint.verify_checkpoint:
+            return
+        manifest = io.read_manifest(path)
+        if manifest is None:
+            self.console(f"checkpoint: {path} has no {io.CHECKSUM_FILE} (saved by an older tricorn): files not verified")
+            return
+        unlisted = sorted({info.relative_path for info in md.storage_data.values()} - set(manifest))
+        if unlisted:
+            raise CheckpointError(f"checkpoint damaged: {path / unlisted[0]} is not listed in {path / io.CHECKSUM_FILE}")
+        share = sorted(manifest)[self.state.rank :: self.state.world_size]
+        found: list = [None] * self.state.world_size
+        dist.all_gather_object(found, io.checksum_errors(path, manifest, share), group=self.group)
+        errors = sorted(e for part in found for e in part)
+        if errors:
+            more = f" ({len(errors) - 1} more files differ)" if len(errors) > 1 else ""
+            raise CheckpointError(errors[0] + more)
 
     def _target(self, key: str, p: torch.Tensor, md) -> tuple[torch.Tensor, torch.Tensor]:
         """(zero buffer shaped like p, incl. padding; the DCP target over its real rows) for checkpoint tensor `key`."""

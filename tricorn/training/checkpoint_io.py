@@ -9,13 +9,17 @@ A save directory holds
         meta.json                        iteration, consumed samples, loss scaler, layout, ...
         config.yaml                      the resolved config of the run that saved it
         rng/<grid position>.json         RNG states of each rank, keyed by pp/dp/cp/tp position
+        checksums.json                   size and CRC-32 of every file above (older checkpoints lack it)
     iter_0000200.tmp-<token>/            a save in progress (never loaded)
 
 Nothing here runs a collective; every check is a file check that each rank
 can make on its own before any collective load starts, so a damaged
 checkpoint is one clear error on every rank instead of a hang or a traceback.
-Reading never unpickles arbitrary objects: DCP's `.metadata` pickle goes
-through an allowlist of DCP's own metadata classes, tensors are read with
+Checksums (tricorn.training.checksums) are computed where each file is written: a shard by the
+rank that writes it, as the bytes go by, on the save's writer thread (a background thread with
+--async-save). Rank 0 gathers them into checksums.json before the checkpoint is published; a load
+verifies them (each rank a share of the files) unless --no-verify-checkpoint.
+Reading never unpickles arbitrary objects: DCP's `.metadata` pickle goes through an allowlist of DCP's own metadata classes, tensors are read with
 `torch.load(weights_only=True)` (DCP's reader), and byte blobs are refused.
 """
 
@@ -39,14 +43,17 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from tricorn.config import ModelConfig
+from tricorn.training.checksums import HashingFileSystem, file_checksum
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 META_FILE = "meta.json"
 CONFIG_FILE = "config.yaml"
 RNG_DIR = "rng"
 DCP_METADATA = ".metadata"
+CHECKSUM_FILE = "checksums.json"
 FORMAT_VERSION = 1
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_ITER_RE = re.compile(r"^iter_([0-9]{7,18})$")
+_DIGITS_RE = re.compile(r"[0-9]{1,18}")  # an iteration number that fits int64
 _TMP_MARK = ".tmp-"
 
 # Test hook: "ITER:RANK" kills that rank with SIGKILL right after it wrote its shard file of
@@ -129,11 +136,24 @@ def read_dcp_metadata(ckpt: Path):
         raise CheckpointError(f"checkpoint damaged: {path} is missing; pick another iteration with --ckpt-step")
     try:
         with open(path, "rb") as fh:
-            return _SafeUnpickler(fh).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, TypeError, IndexError) as e:
+            md = _SafeUnpickler(fh).load()
+        files = {info.relative_path for info in md.storage_data.values()}
+    except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, TypeError, IndexError, KeyError) as e:
         raise CheckpointError(
             f"checkpoint damaged: {path} cannot be read ({e}); pick another iteration with --ckpt-step"
         ) from None
+    for rel in sorted(files, key=str):
+        if not _inside(rel):
+            raise CheckpointError(
+                f"checkpoint refused: {path} points at {str(rel)[:80]!r} outside the checkpoint directory; "
+                "tricorn reads only files inside it"
+            )
+    return md
+
+
+def _inside(rel: Any) -> bool:
+    """A shard file name as DCP writes it: a plain name in the checkpoint directory (no '..', no '/', not absolute)."""
+    return isinstance(rel, str) and rel not in ("", ".", "..") and os.path.basename(rel) == rel and "\\" not in rel
 
 
 class SafeReader(FileSystemReader):
@@ -152,11 +172,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class Writer(FileSystemWriter):
-    """DCP's file writer (one file per rank, fsync'ed) plus the kill-during-save test hook."""
+    """DCP's file writer (one file per rank, fsync'ed), the checksums of what it wrote, and the kill-during-save test hook."""
 
     def __init__(self, path: Path, iteration: int, rank: int):
         super().__init__(str(path), single_file_per_rank=True, sync_files=True, overwrite=True)
         self.iteration, self.rank = iteration, rank
+        self.fs = HashingFileSystem()
+        self.checksums = self.fs.checksums  # the files this rank wrote -> size and CRC-32
 
     def write_data(self, plan, planner):
         fut = super().write_data(plan, planner)
@@ -165,6 +187,58 @@ class Writer(FileSystemWriter):
             fut.wait()
             os.kill(os.getpid(), signal.SIGKILL)
         return fut
+
+
+# ---------------------------------------------------------------- checksums
+
+
+def write_manifest(ckpt: Path, checksums: dict[str, dict]) -> None:
+    atomic_write_text(
+        ckpt / CHECKSUM_FILE, json.dumps({"algorithm": "crc32", "files": dict(sorted(checksums.items()))}, indent=1)
+    )
+
+
+def read_manifest(ckpt: Path) -> Optional[dict[str, dict]]:
+    """file name -> {"size", "crc32"} from checksums.json; None for a checkpoint saved before checksums existed."""
+    path = ckpt / CHECKSUM_FILE
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(_read_text(path, limit=64 << 20))
+        files = data["files"] if data.get("algorithm") == "crc32" else None
+        valid = isinstance(files, dict) and all(
+            _inside_tree(name) and isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("crc32"), str)
+            for name, v in files.items()
+        )
+    except (ValueError, AttributeError, KeyError, TypeError):
+        valid = False
+    if not valid:
+        raise CheckpointError(f"checkpoint damaged: {path} is not a valid checksum list; pick another iteration with --ckpt-step")
+    return files
+
+
+def _inside_tree(name: Any) -> bool:
+    """A manifest entry: a relative path below the checkpoint directory (rng/<name>.json or a plain name)."""
+    parts = name.split("/") if isinstance(name, str) else []
+    return bool(parts) and len(parts) <= 2 and all(_inside(p) for p in parts)
+
+
+def checksum_errors(ckpt: Path, manifest: dict[str, dict], names: list[str]) -> list[str]:
+    """One line per file among `names` whose size or CRC-32 differs from the manifest (or that is missing)."""
+    errors = []
+    for name in names:
+        path = ckpt / name
+        if not path.is_file():
+            errors.append(f"checkpoint damaged: {path} is missing; pick another iteration with --ckpt-step")
+            continue
+        have, want = file_checksum(path), manifest[name]
+        if have != {"size": want["size"], "crc32": want["crc32"]}:
+            errors.append(
+                f"checkpoint damaged: {path} does not match its checksum in {CHECKSUM_FILE} "
+                f"(CRC-32 {have['crc32']}, {have['size']} bytes; saved {want['crc32']}, {want['size']} bytes); "
+                "pick another iteration with --ckpt-step, or --no-verify-checkpoint to load it anyway"
+            )
+    return errors
 
 
 # ---------------------------------------------------------------- finding and checking
@@ -188,10 +262,12 @@ def find_checkpoint(root: Path, ckpt_step: Optional[int]) -> tuple[Optional[Path
         if not path.is_dir():
             raise CheckpointError(f"--ckpt-step {ckpt_step}: {path} does not exist")
         return path, f"loading {path} (--ckpt-step)"
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"--load {root} is a file; it needs the checkpoint directory (the one --save wrote)")
     latest = root / LATEST_FILE
     if latest.is_file():
-        text = latest.read_text().strip()
-        if not text.isdigit():
+        text = _read_text(latest, limit=1 << 16).strip()
+        if not _DIGITS_RE.fullmatch(text):  # ASCII digits only: str.isdigit() also accepts '²'
             raise CheckpointError(f"checkpoint damaged: {latest} holds {text[:40]!r}, not an iteration number")
         path = root / iter_name(int(text))
         if not path.is_dir():
@@ -241,15 +317,58 @@ def check_config(ckpt: Path, model: ModelConfig) -> None:
         raise CheckpointError(f"{path} describes a different model: {'; '.join(diff)}; use the model flags it was saved with")
 
 
+def _read_text(path: Path, limit: int = 1 << 20) -> str:
+    """A small text file of the checkpoint; CheckpointError naming it when unreadable, oversized or not UTF-8."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(limit + 1)
+        if len(data) > limit:
+            raise ValueError(f"larger than {limit} bytes")
+        return data.decode("utf-8")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint damaged: {path} cannot be read ({e})") from None
+
+
+# meta.json: key -> (accepted types, smallest value). Checked before any tensor is read, so a damaged
+# file is refused before the weights change.
+META_SCHEMA: dict[str, tuple[tuple[type, ...], Optional[float]]] = {
+    "iteration": ((int,), 0),
+    "consumed_train_samples": ((int,), 0),
+    "consumed_valid_samples": ((int,), 0),
+    "optimizer_step": ((int, float), 0),
+    "optimizer_iteration": ((int,), 0),
+    "loss_scaler": ((dict, type(None)), None),
+    "layout": ((dict,), None),
+}
+LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "dp")
+
+
 def read_meta(ckpt: Path) -> dict:
     path = ckpt / META_FILE
     try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        meta = json.loads(_read_text(path))
+    except ValueError as e:
         raise CheckpointError(f"checkpoint damaged: {path} cannot be read ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint damaged: {path} holds {type(meta).__name__}, not an object")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')} is not {FORMAT_VERSION}")
+    for key, (types, lo) in META_SCHEMA.items():
+        _check_meta_value(path, key, meta.get(key, _MISSING), types, lo)
+    for key in LAYOUT_KEYS:
+        _check_meta_value(path, f"layout.{key}", meta["layout"].get(key, _MISSING), (int,), 1)
     return meta
+
+
+_MISSING = object()
+
+
+def _check_meta_value(path: Path, key: str, value: Any, types: tuple[type, ...], lo: Optional[float]) -> None:
+    if value is _MISSING:
+        raise CheckpointError(f"checkpoint damaged: {path} lacks {key!r}; pick another iteration with --ckpt-step")
+    typed = isinstance(value, types) and not isinstance(value, bool)
+    if not typed or (lo is not None and not (value >= lo and value < 2**63)):  # NaN fails too
+        raise CheckpointError(f"checkpoint damaged: {path} holds {key} = {value!r:.40}; pick another iteration with --ckpt-step")
 
 
 def check_files(ckpt: Path, md) -> None:
@@ -272,7 +391,35 @@ def verify_checkpoint(ckpt: Path, model: ModelConfig) -> tuple[dict, Any]:
     check_config(ckpt, model)
     md = read_dcp_metadata(ckpt)
     check_files(ckpt, md)
+    check_rng_files(ckpt)
     return meta, md
+
+
+def check_rng_files(ckpt: Path) -> None:
+    """Every rank's RNG file decodes to states of the right size, checked by every rank before any collective
+    (so one rank's damaged file is the same one-line error everywhere, not a failure on that rank alone)."""
+    cpu_bytes = torch.get_rng_state().numel()
+    rng_dir = ckpt / RNG_DIR
+    for path in sorted(rng_dir.glob("*.json")) if rng_dir.is_dir() else []:
+        states = decode_rng(path)
+        if states.get("cpu") is None or states["cpu"].numel() != cpu_bytes:
+            raise CheckpointError(
+                f"checkpoint damaged: {path} holds no valid CPU RNG state; pick another iteration with --ckpt-step"
+            )
+
+
+def load_errors(cfg: Any) -> list[str]:
+    """The --load checkpoint's file checks before launch (no process group): [] or the one line naming the file."""
+    c = cfg.checkpoint
+    if not c.load:
+        return []
+    try:
+        path, _ = find_checkpoint(Path(c.load), c.ckpt_step)
+        if path is not None:
+            verify_checkpoint(path, cfg.model)
+    except CheckpointError as e:
+        return [str(e)]
+    return []
 
 
 # ---------------------------------------------------------------- RNG states as JSON
@@ -284,9 +431,9 @@ def encode_rng(states: dict[str, torch.Tensor]) -> str:
 
 def decode_rng(path: Path) -> dict[str, torch.Tensor]:
     try:
-        data = json.loads(path.read_text())
-        return {k: torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8) for k, v in data.items()}
-    except (OSError, ValueError) as e:
+        data = json.loads(_read_text(path))
+        return {k: torch.frombuffer(bytearray(base64.b64decode(v, validate=True)), dtype=torch.uint8) for k, v in data.items()}
+    except (ValueError, TypeError, AttributeError) as e:  # binascii.Error is a ValueError; a non-dict has no .items
         raise CheckpointError(f"checkpoint damaged: {path} cannot be read ({e})") from None
 
 
@@ -329,8 +476,15 @@ def dcp_load(targets: dict[str, torch.Tensor], ckpt: Path, group=None, no_dist: 
         rank, (exc, _) = next(iter(e.failures.items()))
         if isinstance(exc, CheckpointError):
             raise exc from None
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint damaged: reading {ckpt} failed on rank {rank}: {first}") from None
+        raise CheckpointError(f"checkpoint damaged: reading {ckpt} failed on rank {rank}: {describe_read_error(exc)}") from None
+
+
+def describe_read_error(exc: BaseException) -> str:
+    """The first line of a read failure, never torch's advice to retry with weights_only=False (that runs code)."""
+    text = str(exc).strip()
+    if isinstance(exc, pickle.UnpicklingError) or "weights_only" in text or "Weights only" in text:
+        return "a shard holds something other than plain tensor data (refused: tricorn reads tensors only)"
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def read_tensors(ckpt: Path, prefix: str = "") -> dict[str, torch.Tensor]:

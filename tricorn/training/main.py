@@ -18,7 +18,7 @@ from tricorn.config import Config
 def resolve_config(argv: Optional[list[str]]) -> Config:
     from tricorn.config import ConfigError, config_from_args
     from tricorn.parallel.state import world_size_from_env
-    from tricorn.validation import validate
+    from tricorn.validation import output_path_errors, validate
 
     try:
         cfg = config_from_args(argv, world_size=world_size_from_env())
@@ -30,6 +30,8 @@ def resolve_config(argv: Optional[list[str]]) -> Config:
             from tricorn.planning.estimate import memory_errors, visible_device_memory
 
             errors += memory_errors(cfg, visible_device_memory())
+        if not errors:  # nothing is created before the output paths are known to be writable
+            errors += output_path_errors(cfg)
     except ConfigError as e:
         errors = [str(e)]
     if errors:
@@ -137,7 +139,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(format_report(cfg))
         return 0
     from tricorn.parallel.state import destroy_parallel, init_parallel
+    from tricorn.training.checkpoint_io import load_errors
     from tricorn.training.signals import ExitConditions
+
+    damaged = load_errors(cfg)  # the --load checkpoint's files, checked alike on every rank before anything starts
+    if damaged:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"tricorn: error: {damaged[0]}", file=sys.stderr)
+        return 1
 
     exits = ExitConditions(cfg)  # from here on --exit-signal means "save and exit 0", not "die"
     code = 1
@@ -172,7 +181,17 @@ def _train(cfg: Config, state, exits) -> int:
         trainer.optimizer.wait_all()  # nothing in flight when the groups go
         return 0
     except (NaNError, DataError, CheckpointError) as e:
-        print(f"tricorn: error: {e}", file=sys.stderr)
+        if state.rank == 0:  # raised alike on every rank (checked before, or gathered by, the collectives): print once
+            print(f"tricorn: error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # a dead or stopped peer: one line naming the collective, not gloo's traceback
+        from tricorn.parallel.failures import collective_failure, peer_named
+
+        line = collective_failure(e, state.rank, state.world_size, cfg.parallel.distributed_timeout_minutes)
+        if line is None:
+            raise
+        if state.rank == 0 or peer_named(line) == 0:  # every survivor times out: rank 0 says it, or whoever lost rank 0
+            print(f"tricorn: error: {line}", file=sys.stderr)
         return 1
     finally:
         if ckpt is not None:

@@ -1,0 +1,318 @@
+"""Every bad input of issue 16 is one `tricorn: error:` line, no traceback, nothing written.
+
+Config and path cases run the real entry point in this process (tests/badinput.py); a few run
+the real CLI as subprocesses to prove the same holds outside pytest.
+"""
+
+from __future__ import annotations
+
+import io as iolib
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from badinput import assert_refused
+from harness import BASE_FLAGS, ENTRY, ROOT, with_flag
+from test_checkpoint_io import make_checkpoint
+
+from tricorn.data.errors import DataError
+from tricorn.data.indexed import IndexedDataset, write_index
+from tricorn.data.loader import token_range
+from tricorn.data.preprocess import preprocess
+from tricorn.training import checkpoint_io as io
+
+# (extra flags, text the error must contain). The base flags are valid; each case breaks one value.
+FLAG_CASES = [
+    (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be at least 1, got 0"),
+    (["--global-batch-size", "0"], "--global-batch-size must be at least 1, got 0"),
+    (["--vocab-size", "-5"], "--vocab-size must be at least 1, got -5"),
+    (["--lr=-0.001"], "--lr must be at least 0, got -0.001"),
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--lr", "1e39"], "--lr must be a finite number that fits in float32"),
+    (["--init-method-std=-0.02"], "--init-method-std must be greater than 0"),
+    (["--hidden-dropout", "1.5"], "--hidden-dropout must be in [0, 1), got 1.5"),
+    (["--adam-beta1", "2"], "--adam-beta1 must be in [0, 1), got 2.0"),
+    (["--log-interval", "0"], "--log-interval must be at least 1, got 0"),
+    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be at least 1, got 0"),
+    (["--weight-decay", "-1"], "--weight-decay must be at least 0, got -1.0"),
+    (["--seed", "9" * 30], "--seed must be in [0, 4294967295]"),
+    (["--min-lr", "0.1"], "--min-lr 0.1 is above --lr 0.001"),
+    (["--num-layers", "two"], "argument --num-layers: invalid int value: 'two'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", FLAG_CASES, ids=[c[0][0].split("=")[0] + "-" + c[0][-1] for c in FLAG_CASES])
+def test_bad_flag_value(tmp_path, extra, needle):
+    argv = BASE_FLAGS + extra
+    for flag in extra:  # a flag given twice: the later one wins in argparse, keep the base one out
+        if flag.startswith("--") and "=" not in flag and flag in BASE_FLAGS and len(extra) == 2:
+            argv = with_flag(BASE_FLAGS, flag, extra[1])
+    assert_refused(argv, tmp_path, needle=needle)
+
+
+YAML_CASES = [
+    ({"training": {"lr": "fast"}}, "'training.lr' in cfg.yaml (the value of --lr) must be a number, got 'fast'"),
+    ({"model": {"hidden_size": "64"}}, "'model.hidden_size' in cfg.yaml (the value of --hidden-size) must be an integer"),
+    ({"parallel": {"tensor_model_parallel_size": [2]}}, "must be an integer, got [2]"),
+    ({"model": {"normalization": "BatchNorm"}}, "one of RMSNorm, LayerNorm"),
+    ({"training": {"bf16": "yes"}}, "must be true or false"),
+    ({"training": {"rampup_batch_size": [1, 2]}}, "must be a list of 3 values"),
+    ({"training": {"weight_decay": -1.0}}, "--weight-decay must be at least 0, got -1.0"),
+    ({"model": {"num_layers": None}}, "needs a value"),
+    ({"modle": {}}, "unknown section 'modle'"),
+    ([1, 2], "must hold a mapping"),
+]
+
+
+@pytest.mark.parametrize("data,needle", YAML_CASES, ids=[str(i) for i in range(len(YAML_CASES))])
+def test_bad_yaml_value(tmp_path, data, needle):
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(data))
+    assert_refused(["--config", "cfg.yaml"] + BASE_FLAGS, tmp_path, needle=needle)
+
+
+def _paths(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+
+
+PATH_CASES = [
+    (["--save", "afile"], "--save afile is a file but must be a directory"),
+    (["--save", "/proc/x"], "--save /proc/x: cannot write in /proc"),
+    (["--save", "afile/sub"], "afile is a file, not a directory"),
+    (["--tensorboard-dir", "afile"], "--tensorboard-dir afile is a file"),
+    (["--log-dir", "afile"], "--log-dir afile is a file"),
+    (["--data-cache-path", "afile"], "--data-cache-path afile is a file"),
+    (["--metrics-file", "adir"], "--metrics-file adir is a directory but must be a file"),
+    (["--load", "afile"], "--load afile is a file; it needs the checkpoint directory"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", PATH_CASES, ids=[" ".join(c[0]) for c in PATH_CASES])
+def test_output_paths_checked_before_launch(tmp_path, extra, needle):
+    _paths(tmp_path)
+    assert_refused(BASE_FLAGS + extra + ["--tensorboard-dir", "tb"] * (extra[0] != "--tensorboard-dir"), tmp_path, needle=needle)
+    assert not (tmp_path / "tb").exists(), "nothing is created before the checks pass"
+
+
+def test_read_only_directory_is_refused(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        probe = ro / "probe"
+        try:  # root ignores permissions: this case only means something for other users
+            probe.write_text("")
+            probe.unlink()
+            pytest.skip("running as root: directory permissions are not enforced")
+        except PermissionError:
+            pass
+        assert_refused(BASE_FLAGS + ["--save", "ro/ckpt"], tmp_path, needle="cannot write in")
+    finally:
+        ro.chmod(0o700)
+
+
+@pytest.mark.parametrize(
+    "extra,needle,rank",
+    [
+        (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be at least 1", "0"),
+        (["--save", "afile"], "--save afile is a file", "0"),
+        (["--lr", "fast"], "argument --lr: invalid float value: 'fast'", "0"),
+        (["--lr", "fast"], None, "1"),
+    ],
+)
+def test_real_cli_prints_one_line(tmp_path, extra, needle, rank):
+    """The real command as rank `rank` of 2 (subprocess): exit 2, one line from rank 0 and none from the others."""
+    _paths(tmp_path)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "RANK": rank, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    flags = with_flag(BASE_FLAGS, "--global-batch-size", "4") + extra + ["--tensorboard-dir", "tb"]
+    run = subprocess.run([sys.executable, str(ENTRY), *flags], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    if needle is None:  # printed once, by rank 0
+        assert lines == [], run.stderr
+    else:
+        assert len(lines) == 1 and lines[0].startswith("tricorn: error: ") and needle in lines[0], run.stderr
+    assert not (tmp_path / "tb").exists()
+
+
+# ---------------------------------------------------------------- damaged checkpoints (exit 1, before launch)
+
+
+def _checkpoint(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt", 3)
+    (ckpt / io.RNG_DIR).mkdir()
+    for tp in range(2):
+        io.atomic_write_text(ckpt / io.RNG_DIR / f"pp0-dp0-cp0-tp{tp}.json", io.encode_rng({"cpu": torch.get_rng_state()}))
+    return ckpt
+
+
+def _edit_meta(ckpt, change):
+    meta = json.loads((ckpt / io.META_FILE).read_text())
+    change(meta)
+    (ckpt / io.META_FILE).write_text(json.dumps(meta))
+
+
+def _write_dcp_metadata(ckpt, relative_path):
+    md = io.read_dcp_metadata(ckpt)
+    for info in md.storage_data.values():
+        info.relative_path = relative_path
+    (ckpt / io.DCP_METADATA).write_bytes(pickle.dumps(md))
+
+
+DAMAGE = {
+    "latest-superscript": (lambda c: (c.parent / io.LATEST_FILE).write_text("²\n"), "holds '²', not an iteration number"),
+    "latest-5000-digits": (lambda c: (c.parent / io.LATEST_FILE).write_text("9" * 5000), "not an iteration number"),
+    "meta-lacks-optimizer-step": (lambda c: _edit_meta(c, lambda m: m.pop("optimizer_step")), "lacks 'optimizer_step'"),
+    "meta-iteration-twelve": (lambda c: _edit_meta(c, lambda m: m.update(iteration="twelve")), "iteration = 'twelve'"),
+    "meta-negative-samples": (lambda c: _edit_meta(c, lambda m: m.update(consumed_train_samples=-4)), "consumed_train_samples"),
+    "meta-not-json": (lambda c: (c / io.META_FILE).write_bytes(b"\xff\xfe{"), "meta.json cannot be read"),
+    "rng-truncated": (
+        lambda c: (c / io.RNG_DIR / "pp0-dp0-cp0-tp1.json").write_text(
+            (c / io.RNG_DIR / "pp0-dp0-cp0-tp1.json").read_text()[:99]
+        ),
+        "pp0-dp0-cp0-tp1.json cannot be read",
+    ),
+    "rng-wrong-size": (
+        lambda c: (c / io.RNG_DIR / "pp0-dp0-cp0-tp0.json").write_text(io.encode_rng({"cpu": torch.zeros(8, dtype=torch.uint8)})),
+        "no valid CPU RNG state",
+    ),
+    "path-traversal": (lambda c: _write_dcp_metadata(c, "../../outside.distcp"), "outside the checkpoint directory"),
+    "absolute-path": (lambda c: _write_dcp_metadata(c, "/etc/passwd"), "outside the checkpoint directory"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_checkpoint_is_one_line_before_launch(tmp_path, case):
+    damage, needle = DAMAGE[case]
+    ckpt = _checkpoint(tmp_path)
+    damage(ckpt)
+    line = assert_refused(BASE_FLAGS + ["--load", "ckpt", "--tensorboard-dir", "tb"], tmp_path, expected_code=1, needle=needle)
+    assert not (tmp_path / "tb").exists()
+    assert "Traceback" not in line
+
+
+def test_path_traversal_never_reads_outside(tmp_path):
+    """A .metadata naming ../outside.distcp is refused even when that file exists and would load."""
+    ckpt = _checkpoint(tmp_path)
+    shard = next(ckpt.glob("*.distcp"))
+    (tmp_path / "outside.distcp").write_bytes(shard.read_bytes())
+    _write_dcp_metadata(ckpt, "../outside.distcp")
+    with pytest.raises(io.CheckpointError, match="outside the checkpoint directory"):
+        io.read_tensors(ckpt)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_malicious_shard_never_advises_weights_only_false(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = _checkpoint(tmp_path)
+    buf = iolib.BytesIO()
+    torch.save({"x": _Exploit()}, buf)
+    payload = buf.getvalue()
+    md = io.read_dcp_metadata(ckpt)
+    name = next(iter(md.storage_data.values())).relative_path
+    (ckpt / name).write_bytes(payload)
+    for info in md.storage_data.values():
+        info.offset, info.length = 0, len(payload)
+    (ckpt / io.DCP_METADATA).write_bytes(pickle.dumps(md))
+    with pytest.raises(io.CheckpointError) as e:
+        io.read_tensors(ckpt)
+    message = str(e.value)
+    assert "\n" not in message and "weights_only" not in message and "Re-running" not in message, message
+    assert "refused" in message and not (tmp_path / "pwned").exists()
+
+
+# ---------------------------------------------------------------- data (exit 2, before launch)
+
+DATA_FLAGS = [f for f in BASE_FLAGS if f != "--mock-data"]
+
+
+def _write_pair(prefix, tokens, lengths, dtype=np.uint16):
+    """A .bin/.idx pair with exactly these tokens and sequence lengths (one document per sequence)."""
+    np.asarray(tokens, dtype=dtype).tofile(str(prefix) + ".bin")
+    write_index(str(prefix) + ".idx", dtype, lengths, np.arange(len(lengths) + 1))
+
+
+def _tokens_with_a_bad_id_late(vocab: int = 500) -> np.ndarray:
+    tokens = np.arange((1 << 20) + 4096, dtype=np.int64) % (vocab - 1)
+    tokens[-10] = 9000  # past the first 2^20 tokens, past the padded vocabulary at TP 1 and 2
+    return tokens
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_token_ids_past_the_vocabulary_anywhere_are_refused(tmp_path, monkeypatch, tp):
+    tokens = _tokens_with_a_bad_id_late()
+    _write_pair(tmp_path / "data", tokens, [4096] * (tokens.size // 4096))
+    monkeypatch.setenv("WORLD_SIZE", str(tp))
+    flags = DATA_FLAGS + ["--data-path", "data", "--tensor-model-parallel-size", str(tp), "--global-batch-size", "4"]
+    # The padded vocabulary is 512 at TP 1 and 2 (500 rounded up to 128 x TP); the vocab-parallel embedding
+    # at TP 2 would silently mask the id, so only this check stands between the data and a wrong run.
+    assert_refused(flags, tmp_path, needle="data.bin holds token id 9000 outside the model's vocabulary [0, 512)")
+
+
+def test_token_range_is_cached_beside_the_index_cache(tmp_path):
+    tokens = _tokens_with_a_bad_id_late()
+    _write_pair(tmp_path / "data", tokens, [4096] * (tokens.size // 4096))
+    ds = IndexedDataset(str(tmp_path / "data"))
+    assert token_range(ds, str(tmp_path / "cache")) == (0, 9000)
+    cached = list((tmp_path / "cache").glob("*-TokenRange-all-range.npy"))
+    assert len(cached) == 1 and np.load(cached[0]).tolist() == [0, 9000]
+    np.save(cached[0], np.array([0, 7]))  # the cache is read, not recomputed
+    assert token_range(ds, str(tmp_path / "cache")) == (0, 7)
+
+
+@pytest.mark.parametrize(
+    "lengths,needle",
+    [
+        ([64, 64, -64, 192], "sequence 2 has length -64"),
+        ([64, 64, 64, 64], None),
+    ],
+)
+def test_negative_length_in_the_middle_is_refused(tmp_path, lengths, needle):
+    tokens = np.arange(256) % 400
+    _write_pair(tmp_path / "data", tokens, lengths)
+    if needle is None:
+        assert len(IndexedDataset(str(tmp_path / "data"))) == 4
+        return
+    assert_refused(DATA_FLAGS + ["--data-path", "data"], tmp_path, needle=needle)
+
+
+def test_pointers_and_document_indices_are_checked(tmp_path):
+    prefix = str(tmp_path / "data")
+    _write_pair(prefix, np.arange(256) % 400, [64] * 4)
+    raw = bytearray(open(prefix + ".idx", "rb").read())
+    header = 9 + 8 + 1 + 8 + 8
+    pointer2 = header + 4 * 4 + 2 * 8
+    raw[pointer2 : pointer2 + 8] = np.int64(130).tobytes()
+    open(prefix + ".idx", "wb").write(bytes(raw))
+    with pytest.raises(DataError, match="sequence 2 starts at byte 130 but the lengths before it put it at 256"):
+        IndexedDataset(prefix)
+    write_index(prefix + ".idx", np.uint16, [64] * 4, [0, 3, 2, 4])
+    with pytest.raises(DataError, match=r"document index 2 \(2\) is below the one before it \(3\)"):
+        IndexedDataset(prefix)
+
+
+def test_float_tokens_are_refused(tmp_path):
+    _write_pair(tmp_path / "data", np.arange(256) + 0.5, [64] * 4, dtype=np.float32)
+    assert_refused(DATA_FLAGS + ["--data-path", "data"], tmp_path, needle="holds float32 tokens")
+
+
+def test_preprocess_says_why_no_document_was_usable(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "1 2 600"}\n{"text": "3 700"}\n')
+    with pytest.raises(DataError) as e:
+        preprocess([str(src)], str(tmp_path / "out"), "NullTokenizer", vocab_size=500)
+    assert "every line was skipped (2 cannot tokenize" in str(e.value)
+    assert "token id 600 is outside the vocabulary [0, 500)" in str(e.value)
+    assert not list(tmp_path.glob("out*"))
