@@ -98,7 +98,8 @@ class Report:
         blank = f"{self.documents} blank documents (no tokens)" if self.documents else ""
         if not kinds:
             return f"the input holds only {blank}" if blank else "the input holds no lines"
-        return f"every line was skipped or blank ({', '.join(kinds + ([blank] if blank else []))}; first: {self.first_problem})"
+        skipped = "every line was skipped or blank" if blank else "every line was skipped"
+        return f"{skipped} ({', '.join(kinds + ([blank] if blank else []))}; first: {self.first_problem})"
 
 
 # ---------------------------------------------------------------- tokenizing (runs in workers)
