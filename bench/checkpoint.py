@@ -6,7 +6,7 @@ data), takes a few steps, then
 1. saves synchronously `--saves` times (DCP files, fsync'ed, atomic rename, `latest`) and, after each,
    writes the very bytes that save produced as one sequential file in the same directory (fsync'ed):
    bytes/s of both and their ratio (median over the rounds);
-   and the cost of the per-file CRC-32 checksums (hashed by the writer as the bytes go by): each round
+   and the cost of the per-file XXH3-64 checksums (hashed by the writer as the bytes go by): each round
    also saves once with the hashing file system swapped for DCP's plain one, and the extra time of
    the checksummed save is reported as a fraction of the plain save (median over the rounds);
 2. measures how long training stops for a save: a synchronous save blocks for the whole write; with
@@ -117,7 +117,7 @@ def throughput(trainer, ckpt, root: Path, saves: int) -> None:
     print(f"save / raw             {c / r:10.2f}")
     print(
         f"checksum cost          {100 * statistics.median(hash_shares):10.1f} %  of a sync save without them "
-        "(CRC-32 as the bytes are written; off the training thread with --async-save)"
+        "(XXH3-64 as the bytes are written; off the training thread with --async-save)"
     )
 
 

@@ -47,7 +47,7 @@ def test_checksum_mismatch_is_one_line_and_no_verify_skips_it(tmp_path):
 def test_checkpoint_without_checksums_still_loads(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt", 3)
     assert io.read_manifest(ckpt) is None
-    (ckpt / io.CHECKSUM_FILE).write_text('{"algorithm": "crc32", "files": {"../x": {"size": 1, "crc32": "0"}}}')
+    (ckpt / io.CHECKSUM_FILE).write_text('{"algorithm": "xxh3_64", "files": {"../x": {"size": 1, "digest": "0"}}}')
     with pytest.raises(io.CheckpointError, match="is not a valid checksum list"):
         io.read_manifest(ckpt)
 

@@ -9,7 +9,7 @@ A save directory holds
         meta.json                        iteration, consumed samples, loss scaler, layout, ...
         config.yaml                      the resolved config of the run that saved it
         rng/<grid position>.json         RNG states of each rank, keyed by pp/dp/cp/tp position
-        checksums.json                   size and CRC-32 of every file above (older checkpoints lack it)
+        checksums.json                   size and XXH3-64 digest of every file above (older checkpoints lack it)
     iter_0000200.tmp-<token>/            a save in progress (never loaded)
 
 Nothing here runs a collective; every check is a file check that each rank
@@ -43,7 +43,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from tricorn.config import ModelConfig
-from tricorn.training.checksums import HashingFileSystem, file_checksum
+from tricorn.training.checksums import ALGORITHM, HashingFileSystem, file_checksum
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 META_FILE = "meta.json"
@@ -178,7 +178,7 @@ class Writer(FileSystemWriter):
         super().__init__(str(path), single_file_per_rank=True, sync_files=True, overwrite=True)
         self.iteration, self.rank = iteration, rank
         self.fs = HashingFileSystem()
-        self.checksums = self.fs.checksums  # the files this rank wrote -> size and CRC-32
+        self.checksums = self.fs.checksums  # the files this rank wrote -> size and XXH3-64 digest
 
     def write_data(self, plan, planner):
         fut = super().write_data(plan, planner)
@@ -194,20 +194,20 @@ class Writer(FileSystemWriter):
 
 def write_manifest(ckpt: Path, checksums: dict[str, dict]) -> None:
     atomic_write_text(
-        ckpt / CHECKSUM_FILE, json.dumps({"algorithm": "crc32", "files": dict(sorted(checksums.items()))}, indent=1)
+        ckpt / CHECKSUM_FILE, json.dumps({"algorithm": ALGORITHM, "files": dict(sorted(checksums.items()))}, indent=1)
     )
 
 
 def read_manifest(ckpt: Path) -> Optional[dict[str, dict]]:
-    """file name -> {"size", "crc32"} from checksums.json; None for a checkpoint saved before checksums existed."""
+    """file name -> {"size", "digest"} from checksums.json; None for a checkpoint saved before checksums existed."""
     path = ckpt / CHECKSUM_FILE
     if not path.exists():
         return None
     try:
         data = json.loads(_read_text(path, limit=64 << 20))
-        files = data["files"] if data.get("algorithm") == "crc32" else None
+        files = data["files"] if data.get("algorithm") == ALGORITHM else None
         valid = isinstance(files, dict) and all(
-            _inside_tree(name) and isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("crc32"), str)
+            _inside_tree(name) and isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("digest"), str)
             for name, v in files.items()
         )
     except (ValueError, AttributeError, KeyError, TypeError):
@@ -224,7 +224,7 @@ def _inside_tree(name: Any) -> bool:
 
 
 def checksum_errors(ckpt: Path, manifest: dict[str, dict], names: list[str]) -> list[str]:
-    """One line per file among `names` whose size or CRC-32 differs from the manifest (or that is missing)."""
+    """One line per file among `names` whose size or digest differs from the manifest (or that is missing)."""
     errors = []
     for name in names:
         path = ckpt / name
@@ -232,10 +232,10 @@ def checksum_errors(ckpt: Path, manifest: dict[str, dict], names: list[str]) -> 
             errors.append(f"checkpoint damaged: {path} is missing; pick another iteration with --ckpt-step")
             continue
         have, want = file_checksum(path), manifest[name]
-        if have != {"size": want["size"], "crc32": want["crc32"]}:
+        if have != {"size": want["size"], "digest": want["digest"]}:
             errors.append(
                 f"checkpoint damaged: {path} does not match its checksum in {CHECKSUM_FILE} "
-                f"(CRC-32 {have['crc32']}, {have['size']} bytes; saved {want['crc32']}, {want['size']} bytes); "
+                f"(XXH3 {have['digest']}, {have['size']} bytes; saved {want['digest']}, {want['size']} bytes); "
                 "pick another iteration with --ckpt-step, or --no-verify-checkpoint to load it anyway"
             )
     return errors

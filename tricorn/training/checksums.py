@@ -1,4 +1,7 @@
-"""CRC-32 checksums of checkpoint files: computed while a file is written, or by reading it back.
+"""XXH3-64 checksums of checkpoint files: computed while a file is written, or by reading it back.
+
+XXH3 hashes at ~13 GB/s on one core here (zlib's CRC-32: ~1-2 GB/s), so hashing as the bytes are written
+costs a few percent of a save that writes at disk speed.
 
 `HashingFileSystem` is DCP's local file system with every written file hashed as its bytes go by,
 on the thread that writes them (the save's background thread with --async-save), so nothing is read
@@ -9,25 +12,26 @@ extra memory.
 from __future__ import annotations
 
 import contextlib
-import zlib
 from pathlib import Path
 from typing import Any
 
+import xxhash
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+ALGORITHM = "xxh3_64"
 _HASH_BLOCK = 16 << 20  # bytes per read when reading a file back: large reads, bounded memory
 
 
 def file_checksum(path: Path) -> dict:
-    """{"size", "crc32"} of one file, read in large blocks (zlib releases the GIL while it hashes)."""
-    crc, size = 0, 0
+    """{"size", "digest"} of one file, read in large blocks."""
+    hasher, size = xxhash.xxh3_64(), 0
     buf = bytearray(min(_HASH_BLOCK, max(path.stat().st_size, 1)))
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as fh:
         while n := fh.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
+            hasher.update(view[:n])
             size += n
-    return {"size": size, "crc32": f"{crc:08x}"}
+    return {"size": size, "digest": hasher.hexdigest()}
 
 
 def file_checksums(root: Path, names: list[str]) -> dict[str, dict]:
@@ -35,7 +39,7 @@ def file_checksums(root: Path, names: list[str]) -> dict[str, dict]:
 
 
 class _HashingStream:
-    """The file a shard is written through: every byte is also CRC-32'd as it goes by.
+    """The file a shard is written through: every byte is also hashed as it goes by.
 
     Inline on the writer's thread: no re-read of the file, no copy. A second hashing thread would overlap
     with the writes only where a core is free; on the shared 2-core box it cost twice as much (README).
@@ -43,23 +47,23 @@ class _HashingStream:
 
     def __init__(self, raw: Any):
         self.raw = raw
-        self._crc, self._size = 0, 0
+        self._hasher, self._size = xxhash.xxh3_64(), 0
 
     def write(self, data: Any) -> int:
         written = self.raw.write(data)
-        self._crc = zlib.crc32(data, self._crc)
+        self._hasher.update(data)
         self._size += memoryview(data).nbytes
         return written
 
     def checksum(self) -> dict:
-        return {"size": self._size, "crc32": f"{self._crc:08x}"}
+        return {"size": self._size, "digest": self._hasher.hexdigest()}
 
     def __getattr__(self, name: str) -> Any:  # tell, flush, fileno (fsync), ...
         return getattr(self.raw, name)
 
 
 class HashingFileSystem(FileSystem):
-    """DCP's local file system, with a checksum of every file it writes (file name -> size and CRC-32)."""
+    """DCP's local file system, with a checksum of every file it writes (file name -> size and digest)."""
 
     def __init__(self) -> None:
         super().__init__()
