@@ -443,7 +443,7 @@ def _recompute_text(lay: Layout) -> str:
 def _table(plans: list[Plan]) -> str:
     head = (
         " #  TP PP VPP CP  DP  mb  recompute       ZeRO  mem/GPU  step s [p10-p90]      tokens/s [p10-p90]      "
-        "TFLOP/s/GPU      MFU [p10-p90]     HFU [p10-p90]     why"
+        "TFLOP/s/GPU      MFU [p10-p90]        HFU [p10-p90]        why"
     )
     rows = [head]
     for i, p in enumerate(plans, 1):
@@ -453,7 +453,7 @@ def _table(plans: list[Plan]) -> str:
             f"{i:2d}{'=' if p.tie else ' '}{lay.tp:3d} {pp:>2} {lay.vpp:3d} {lay.cp:2d} {lay.dp:3d} {lay.micro_batch:3d}  "
             f"{_recompute_text(lay):<15} {lay.zero_stage:4d} {p.memory_bytes / GiB:5.1f} GiB  {_iv(p, 'step_time_s', '.2f'):<21}"
             f"{_iv(p, 'tokens_per_s', '.0f'):<24}{_iv(p, 'tflops_per_gpu', '.0f'):<17}"
-            f"{_iv(p, 'mfu', '.1%'):<18}{_iv(p, 'hfu', '.1%'):<18}{p.why}"
+            f"{_iv(p, 'mfu', '.1%'):<21}{_iv(p, 'hfu', '.1%'):<21}{p.why}"
         )
     if any(p.layout.first_stage_layers is not None for p in plans):
         rows.append("PP*: uneven split, the first and last stages hold the remainder (--decoder-first/last-pipeline-num-layers)")
