@@ -68,7 +68,7 @@ class ModelConfig:
     recompute_method: Optional[str] = _f(None, "How full recompute picks layers.", choices=["uniform", "block"])
     recompute_num_layers: Optional[int] = _f(None, "Layers per recompute group (uniform) or recomputed layers per stage (block).")
     recompute_modules: list = _f(
-        ["core_attn"], "Modules recomputed by selective recompute.", nargs="+", choices=["core_attn", "mlp", "norm"]
+        ["core_attn"], "Modules recomputed by selective recompute.", nargs="+", choices=["core_attn", "mlp", "norm", "mlp_act"]
     )
     transformer_impl: str = _f("local", "Layer implementation.", choices=["local", "transformer_engine"])
 
