@@ -14,7 +14,6 @@ import os
 import sys
 import tempfile
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
