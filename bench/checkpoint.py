@@ -1,8 +1,10 @@
-"""Benchmark: checkpoint save throughput beside a raw file write of the same bytes, and the training stall.
+"""Benchmark: checkpoint save peak memory and throughput beside a raw file write of the same bytes, and the stall.
 
 One process (world of one, gloo, CPU) builds the real trainer (model, optimizer with Adam state, mock
 data), takes a few steps, then
 
+0. measures the peak memory a synchronous save allocates beyond the rank's state (torch's CPU allocator,
+   through the profiler) against the largest DP bucket - a streaming save stays under one bucket;
 1. saves synchronously `--saves` times (DCP files, fsync'ed, atomic rename, `latest`) and, after each,
    writes the very bytes that save produced as one sequential file in the same directory (fsync'ed):
    bytes/s of both and their ratio (median over the rounds);
@@ -92,6 +94,25 @@ def timed_iteration(trainer) -> float:
     return time.perf_counter() - start
 
 
+def peak_extra(trainer, ckpt) -> None:
+    """The save's peak CPU allocations beyond the state (profiler), against the largest DP bucket."""
+    from tricorn.training.measurements import cpu_peak_bytes
+
+    trainer.run_iteration()
+    _, peak = cpu_peak_bytes(lambda: ckpt.save(trainer))
+    bucket = max(b.numel for dp in trainer.optimizer.data_parallel for b in dp.buckets) * 4
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for ts in trainer.optimizer.memory_tensors().values()
+        for t in ts
+    }
+    state = sum(storages.values())  # each storage once (parameters and their bucket share one)
+    print(
+        f"save peak extra        {peak / 2**20:10.2f} MiB  ({peak / bucket:.3f} x the largest bucket of "
+        f"{bucket / 2**20:.1f} MiB; the rank's state is {state / 2**20:.1f} MiB)"
+    )
+
+
 def throughput(trainer, ckpt, root: Path, saves: int) -> None:
     from tricorn.training.checkpoint_io import iter_name
 
@@ -172,6 +193,7 @@ def main() -> None:
         for _ in range(2):  # Adam state exists, first-call costs paid
             trainer.run_iteration()
         ckpt.save(trainer)
+        peak_extra(trainer, ckpt)
         throughput(trainer, ckpt, root, args.saves)
         stall(cfg, trainer, ckpt, args.saves)
         ckpt.close()

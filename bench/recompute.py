@@ -3,7 +3,8 @@
 One process trains the same model (same init, same tokens) under each recompute mode; the modes take
 turns round by round so machine noise hits them alike, and the median step (forward + backward + AdamW)
 of each is printed with its ratio to no recompute (goal for full: <= 1.40, nominally 4/3: one extra
-forward on top of forward + backward). The default model is sized so the transformer layers' matmuls
+forward on top of forward + backward), and the probe's activation bytes per layer with their ratio to
+Megatron's count sb(12h + 4h_kv + 6f) (scaled to fp32): at most 1 plus the statistics without recompute. The default model is sized so the transformer layers' matmuls
 dominate the step on a CPU (small vocabulary: the head is not recomputed and would flatter the ratio).
 
 Steps are timed in process CPU time (one intra-op thread), so other processes on a shared machine do not
@@ -35,6 +36,7 @@ MODES = {
     "none": {},
     "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
     "selective+mlp+norm": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "norm"]),
+    "selective norm+act": dict(recompute_granularity="selective", recompute_modules=["norm", "mlp_act"]),
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
 }
 
@@ -68,6 +70,12 @@ def step(model: GPTModel, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> t
     loss.backward()
     opt.step()
     return time.process_time() - cpu, time.perf_counter() - wall
+
+
+def megatron_target(cfg: ModelConfig, args: argparse.Namespace) -> float:
+    """Megatron's bytes per layer, sb(12h + 4h_kv + 6f) at 2 bytes per element, here at 4 (fp32), TP 1."""
+    h_kv = cfg.kv_heads * cfg.head_dim
+    return args.seq * args.micro_batch * (12 * cfg.hidden_size + 4 * h_kv + 6 * cfg.ffn_size) * 4 / 2
 
 
 _MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**34), "MALLOC_TRIM_THRESHOLD_": str(2**34)}
@@ -106,7 +114,7 @@ def main() -> None:
         f"recompute bench: {args.layers} layers, h {args.hidden}, {args.heads} heads (GQA {args.heads // 2}), SwiGLU, "
         f"s {args.seq}, b {args.micro_batch}, fp32, {args.threads} thread(s), median of {args.rounds} steps"
     )
-    print(f"{'mode':<20}{'step cpu s':>12}{'vs none':>10}{'wall s':>9}{'act MiB/layer':>16}{'formula MiB':>14}")
+    print(f"{'mode':<20}{'step cpu s':>12}{'vs none':>10}{'wall s':>9}{'act MiB/layer':>16}{'formula MiB':>14}{'/ target':>12}")
     for mode in MODES:
         median = statistics.median(cpu[mode])
         measured, cfg = memory[mode]
@@ -122,7 +130,7 @@ def main() -> None:
         )
         print(
             f"{mode:<20}{median:>12.3f}{median / base:>10.3f}{statistics.median(wall[mode]):>9.3f}"
-            f"{measured / 2**20:>16.2f}{predicted / 2**20:>14.2f}"
+            f"{measured / 2**20:>16.2f}{predicted / 2**20:>14.2f}{measured / megatron_target(cfg, args):>12.3f}"
         )
 
 

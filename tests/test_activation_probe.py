@@ -108,9 +108,28 @@ def test_formula_agrees_with_korthikanti_style_terms() -> None:
     sp = layer_activation_terms(cfg, **kw, tp=4, sequence_parallel=True)
     assert tp.mlp == one.mlp / 4 and tp.qkv == one.qkv / 4 and tp.norm_inputs == one.norm_inputs
     assert sp.norm_inputs == one.norm_inputs / 4 and sp.dropout_masks == one.dropout_masks / 4
-    assert sp.linear_inputs == one.linear_inputs  # the column-parallel linears keep the all-gathered input
+    assert sp.linear_inputs == one.linear_inputs / 4  # the column-parallel linears keep their sequence shard
     full_sp = layer_activation_bytes(cfg, **kw, tp=4, sequence_parallel=True, recompute="full")
     assert full_sp == 2 * 256 * B * 128 / 4
+
+
+def test_llama2_7b_tp2_sp_meets_megatrons_count() -> None:
+    """Llama-2-7B, TP2 SP, s 4096, b 1, bf16: the layer keeps Megatron's sb(12h + 4h_kv + 6f)/t (269.5 MB) plus
+    the softmax and norm statistics and the RoPE rows (within 1.05x); norm + mlp_act recompute go below it."""
+    from tricorn.config import PRESETS
+
+    cfg = ModelConfig(**{k: v for k, v in PRESETS["llama2-7b"].items() if hasattr(ModelConfig, k)})
+    s, t, h, f = 4096, 2, cfg.hidden_size, cfg.ffn_size
+    h_kv = cfg.kv_heads * cfg.head_dim
+    megatron = s * (12 * h + 4 * h_kv + 6 * f) / t
+    assert round(megatron / 1e6, 1) == 269.5
+    kw = dict(seq=s, micro_batch=1, tp=t, sequence_parallel=True, precision="bf16", device="cuda")
+    terms = layer_activation_terms(cfg, **kw)
+    statistics = terms.norm_stats + terms.attention_core + terms.rope_tables
+    assert terms.total - statistics == megatron
+    assert terms.total <= 1.05 * megatron
+    lean = layer_activation_bytes(cfg, **kw, recompute="selective", recompute_modules=("norm", "mlp_act"))
+    assert lean - statistics == s * (8 * h + 4 * h_kv + 4 * f) / t < megatron
 
 
 RECOMPUTE_VARIANTS = [
@@ -119,6 +138,7 @@ RECOMPUTE_VARIANTS = [
     ("selective", ("mlp",)),
     ("selective", ("norm",)),
     ("selective", ("core_attn", "mlp", "norm")),
+    ("selective", ("norm", "mlp_act")),
     ("full", ()),
 ]
 
@@ -189,10 +209,11 @@ def test_peak_microbatches_in_flight() -> None:
 
 
 def test_tp_and_sp_match_the_formula() -> None:
+    """To the byte on 2 ranks: TP (fp32), TP+SP in fp32 and bf16, each without recompute and selective variants."""
     from harness import run_script
 
     out = run_script(Path(__file__), 2, ["tp"])
-    assert out.count("ok tp") == 3 and out.count("ok sp") == 3, out
+    assert out.count("ok tp") == 4 and out.count("ok sp") == 8, out
 
 
 def _tp_worker() -> None:
@@ -204,8 +225,8 @@ def _tp_worker() -> None:
     dist.init_process_group("gloo")
     tracker = RNGTracker(torch.device("cpu"))
     tracker.add(RNGTracker.TP, 5 + dist.get_rank())
-    for sp in (False, True):
-        for modules in ([], ["mlp"], ["core_attn", "mlp", "norm"]):
+    for dtype, sp in ((torch.float32, False), (torch.float32, True), (torch.bfloat16, True)):
+        for modules in ([], ["mlp"], ["core_attn", "mlp", "norm"], ["norm", "mlp_act"]):
             cfg = Config()
             cfg.model = _config(64, 64, hidden_dropout=0.1)
             cfg.parallel.tensor_model_parallel_size = 2
@@ -214,13 +235,17 @@ def _tp_worker() -> None:
             cfg.model.recompute_granularity, cfg.model.recompute_modules = recompute, modules
             model = GPTModel(cfg.model, tensor_parallel_spec(cfg, dist.group.WORLD), padded_vocab_size=256)
             model.init_weights(1)
+            model.to(dtype)
             apply_recompute([model], cfg.model, tracker)
             tokens = torch.randint(0, 100, (B, 64), generator=torch.Generator().manual_seed(0))
             with ActivationProbe([model]) as probe:
                 model(tokens, tokens).mean().backward()
             measured = probe.summary().activation_bytes_per_layer
-            predicted = _formula(cfg.model, tp=2, sequence_parallel=sp, recompute=recompute, recompute_modules=modules)
-            what = f"{'sp' if sp else 'tp'} {' '.join(modules) or 'none'}"
+            precision = "fp32" if dtype == torch.float32 else "bf16"
+            predicted = _formula(
+                cfg.model, tp=2, sequence_parallel=sp, recompute=recompute, recompute_modules=modules, precision=precision
+            )
+            what = f"{'sp' if sp else 'tp'} {precision} {' '.join(modules) or 'none'}"
             assert measured == predicted, f"{what}: measured {measured} vs formula {predicted}"
             print(f"ok {what} {measured} {predicted}", flush=True)
     dist.destroy_process_group()

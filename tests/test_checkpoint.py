@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import BASE_FLAGS, ENTRY, FP32_RTOL, RunResult, free_port, run_layout, with_flag
+from harness import BASE_FLAGS, ENTRY, FP32_RTOL, RunResult, free_port, run_layout, run_script, with_flag
 
 from tricorn.training.checkpoint_io import LATEST_FILE, iter_name, read_meta, read_tensors
 
@@ -26,6 +26,7 @@ DISTOPT = ["--use-distributed-optimizer"]
 # A resumed run in another layout reorders its fp32 sums from there on: the harness's FP32_RTOL argument
 # (tests/harness.py). 1e-6 was at the worst-case reorder error itself (~log2(N) * u on a loss of ~6).
 RESHARD_RTOL = FP32_RTOL
+WORKERS = Path(__file__).parent / "workers"
 
 
 def losses(run: RunResult) -> dict[int, float]:
@@ -71,6 +72,30 @@ def test_reshard_tp2pp2_checkpoint(reference, tmp_path, layout):
     run = run_layout(FLAGS + layout + ["--load", str(ckpt), "--ckpt-step", "3"], 4, tmp_path)
     assert_losses(run, ref, range(4, 7), RESHARD_RTOL)
     assert "re-derived" in run.stdout, "a layout change must say that RNG states were re-derived"
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--context-parallel-size", "2", "--use-distributed-optimizer"],
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    ],
+    ids=["cp2_zero1", "pp2_vpp2"],
+)
+def test_reshard_to_context_and_virtual_pipeline_parallel(reference, tmp_path, layout):
+    """TP2xPP2 -> CP=2 (optimizer state sharded over DP x CP) and -> PP=2 with 2 virtual stages per rank, and back:
+    each resumes the reference's losses, and its own checkpoint loads again on the TP2xPP2 layout."""
+    ckpt, ref = reference
+    run = run_layout(FLAGS + layout + ["--load", str(ckpt), "--ckpt-step", "3", "--save", str(tmp_path / "ck")], 2, tmp_path)
+    assert_losses(run, ref, range(4, 7), RESHARD_RTOL)
+    back = run_layout(with_flag(FLAGS, "--train-iters", "7") + TP2PP2 + ["--load", str(tmp_path / "ck")], 4, tmp_path / "back")
+    assert sorted(losses(back)) == [7]
+
+
+def test_save_holds_at_most_one_bucket_beyond_the_state():
+    """DP=2, ZeRO-1 and ZeRO-3, fp32 and bf16: the peak of a save's CPU allocations (profiler) is at most
+    1.1 x the largest bucket; the streamed --log-params-norm equals the norm of the gathered parameters."""
+    assert run_script(WORKERS / "checkpoint_memory.py", 2, timeout=600).strip().endswith("ok")
 
 
 def test_distributed_optimizer_reshards_and_resumes_bitwise(reference, tmp_path):

@@ -69,3 +69,9 @@ def test_overlap_starts_reductions_during_backward():
 )
 def test_ddp_equals_one_process(tmp_path, tmp_path_factory, nproc, flags, extra):
     assert_equivalent(flags, nproc, tmp_path, extra, reference_extra=reference_extra(tmp_path_factory, flags))
+
+
+def test_zero2_and_zero3_peak_gradient_memory():
+    """DP=4: the peak of live gradient storage during backward is at most full/DP + 2 buckets (ZeRO-2 and 3)."""
+    out = run_script(WORKER, 4, ["peak"], timeout=600)
+    assert out.strip().endswith("ok"), out

@@ -88,7 +88,7 @@ class ModelConfig:
         None, "Layers per recompute group (uniform) or recomputed layers per stage (block).", bound=AT_LEAST_1
     )
     recompute_modules: list = _f(
-        ["core_attn"], "Modules recomputed by selective recompute.", nargs="+", choices=["core_attn", "mlp", "norm"]
+        ["core_attn"], "Modules recomputed by selective recompute.", nargs="+", choices=["core_attn", "mlp", "norm", "mlp_act"]
     )
     transformer_impl: str = _f("local", "Layer implementation.", choices=["local", "transformer_engine"])
 

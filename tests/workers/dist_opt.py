@@ -7,7 +7,13 @@ Modes (argv[1]):
          Checked for DDP, the distributed optimizer and ZeRO-3.
   trace  the bucket event trace: with --overlap-grad-reduce the first reduction starts
          before the last gradient of the last microbatch; without, only after it; never
-         during earlier microbatches (except ZeRO-2, which reduces every microbatch).
+         during earlier microbatches. ZeRO-2 reduces every microbatch, each bucket as soon
+         as it is complete, with or without the flag.
+  peak   ZeRO-2 and ZeRO-3 at DP = WORLD_SIZE: the PEAK of live gradient storage during backward
+         (the persistent owned shards plus every transient bucket buffer still referenced, tracked
+         from allocation to the buffer's release by the garbage collector) is at most
+         full/DP + 2 buckets; ZeRO-3 also holds at most 3 gathered layers' parameters at once
+         (plus the tied embedding, which the head reads again).
 Every rank asserts; rank 0 prints "ok".
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -101,15 +108,89 @@ def check_trace(extra: list[str], overlap: bool) -> None:
     assert buckets > 1, "the test needs several buckets"
     assert len(launches) == buckets * (2 if every_microbatch else 1), f"{extra}: {len(launches)} launches"
     early = [i for i in launches if i < last_of_first]
+    eager = overlap or every_microbatch  # ZeRO-2/3 reduce each bucket once complete: its buffer is transient
     if every_microbatch:
-        assert early if overlap else not early, f"{extra} overlap={overlap}: launches in microbatch 1 {early}"
+        assert early, f"{extra} overlap={overlap}: no launch during microbatch 1"
     else:
         assert not early, f"{extra}: a reduction started during an earlier microbatch"
     last_launches = [i for i in launches if i > grads[per_microbatch]]  # during or after the last backward
-    if overlap:
+    if eager:
         assert last_launches[0] < grads[-1], f"{extra}: first reduction {last_launches[0]} not before last grad {grads[-1]}"
     else:
         assert last_launches[0] > grads[-1], f"{extra}: reduction started during backward without overlap"
+
+
+class PeakMeter:
+    """Live bytes of tracked tensors, and their peak; a tensor counts until Python frees it."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def track(self, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(t, self._free, nbytes)
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+def check_peak(extra: list[str]) -> None:
+    from tricorn.parallel import data_parallel, zero3
+
+    flags = with_flag(with_flag(BASE_FLAGS, "--micro-batch-size", "1"), "--global-batch-size", "8")
+    trainer = make_trainer(with_flag(flags, "--num-layers", "6") + ["--ddp-bucket-size", "6000"] + extra)
+    opt = trainer.optimizer
+    (dp,) = opt.data_parallel
+    world = dist.get_world_size(dp.group)
+    grads, params = PeakMeter(), PeakMeter()
+    allocate = data_parallel.Bucket.grad_accumulator
+
+    def tracked_accumulator(bucket):
+        fresh = bucket.grad_flat is None
+        out = allocate(bucket)
+        if fresh:
+            grads.track(out)
+        return out
+
+    gather = zero3.ParamSharder._gather
+
+    def tracked_gather(sharder, unit, wait=True):
+        was = unit.gathered
+        gather(sharder, unit, wait)
+        if not was:
+            params.peak = max(params.peak, sum(u.bucket.param_flat.untyped_storage().nbytes() for u in sharder.units))
+
+    data_parallel.Bucket.grad_accumulator = tracked_accumulator
+    zero3.ParamSharder._gather = tracked_gather
+    try:
+        for _ in range(2):
+            trainer.run_iteration()
+    finally:
+        data_parallel.Bucket.grad_accumulator = allocate
+        zero3.ParamSharder._gather = gather
+    element = torch.empty((), dtype=dp.opts.grad_dtype).element_size()
+    full = sum(b.numel for b in dp.buckets) * element
+    bucket = max(b.numel for b in dp.buckets) * element
+    shards = sum(b.grad_shard.numel() for b in dp.buckets) * element
+    assert len(dp.buckets) >= 4, f"{extra}: the test needs several buckets, got {len(dp.buckets)}"
+    assert shards * world == full
+    peak = shards + grads.peak
+    where = f"{extra} rank {STATE.rank}"
+    assert peak <= full / world + 2 * bucket, f"{where}: peak gradient bytes {peak} > full/DP {full / world} + 2 x {bucket}"
+    assert grads.live == 0, f"{where}: {grads.live} bytes of bucket buffers outlive the step"
+    if opt.sharders[0] is not None:
+        units = opt.sharders[0].units
+        size = dp.buckets[0].param_flat.element_size()
+        kept = sum(u.bucket.numel for u in units if u.kept) * size  # the tied embedding, read again by the head
+        unit = max(u.bucket.numel for u in units if not u.kept) * size
+        bound = kept + 3 * unit  # the unit in use, the one prefetched, and one whose gradients are still arriving
+        assert 0 < params.peak <= bound, f"{where}: {params.peak} bytes of gathered parameters > {bound}"
+        assert params.peak < sum(u.bucket.numel for u in units) * size / 2, f"{where}: half the model gathered at once"
+    if STATE.rank == 0:
+        print(f"peak {extra}: grads {peak} <= {full / world + 2 * bucket} (full {full}, bucket {bucket}); params {params.peak}")
 
 
 if __name__ == "__main__":
@@ -121,6 +202,9 @@ if __name__ == "__main__":
         for extra in ([], ["--use-distributed-optimizer"], ["--zero-stage", "2"]):
             for overlap in (True, False):
                 check_trace(extra, overlap)
+    elif mode == "peak":
+        for extra in (["--zero-stage", "2"], ["--zero-stage", "3"]):
+            check_peak(extra)
     else:
         raise SystemExit(f"unknown mode {mode}")
     dist.barrier()  # exit together: a rank leaving mid-collective aborts gloo on its peers

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tricorn.model.layers import at_least_fp32
+from tricorn.model.lean import at_least_fp32
 
 ATTENTION_OUTPUT, MLP_OUTPUT, ATTENTION_PROBS = 0, 1, 2
 _MASK64 = (1 << 64) - 1

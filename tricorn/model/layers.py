@@ -1,4 +1,7 @@
-"""Small building blocks of the decoder: norms in fp32 and rotary position embedding."""
+"""Small building blocks of the decoder: norms in fp32 and rotary position embedding.
+
+The norms compute in fp32 but keep their input in its own dtype for backward (lean.py); RoPE tables are
+indexed once per layer and applied by lean.split_qkv_rope, which keeps only those rows."""
 
 from __future__ import annotations
 
@@ -7,13 +10,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-
-def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
-    """x upcast to fp32 for numerically sensitive math; a float64 tensor stays float64 (never rounded down)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+from tricorn.model.lean import norm
 
 
 class RMSNorm(nn.Module):
@@ -25,7 +24,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(at_least_fp32(x), (x.shape[-1],), at_least_fp32(self.weight), self.eps).to(x.dtype)
+        return norm(x, self.weight, None, self.eps, center=False)
 
 
 class LayerNorm(nn.Module):
@@ -36,8 +35,7 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = at_least_fp32(self.weight), at_least_fp32(self.bias)
-        return F.layer_norm(at_least_fp32(x), (x.shape[-1],), weight, bias, self.eps).to(x.dtype)
+        return norm(x, self.weight, self.bias, self.eps, center=True)
 
 
 @dataclass(frozen=True)
@@ -91,8 +89,12 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
+    def rows(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows [s, 1, d] for activations [b, s, heads, d] of `dtype`."""
+        return self.cos[position_ids].to(dtype).unsqueeze(1), self.sin[position_ids].to(dtype).unsqueeze(1)
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """x: [b, heads, s, d]; position_ids: [s]."""
+        """x: [b, heads, s, d]; position_ids: [s]. (The decoder uses ``rows`` with lean.split_qkv_rope.)"""
         cos = self.cos[position_ids].to(x.dtype)
         sin = self.sin[position_ids].to(x.dtype)
         half = x.shape[-1] // 2

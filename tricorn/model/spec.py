@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tricorn.model.dropout import AttentionDropout, attention_with_dropout
-from tricorn.model.layers import LayerNorm, RMSNorm, at_least_fp32
+from tricorn.model.layers import LayerNorm, RMSNorm
+from tricorn.model.lean import cross_entropy
 
 
 class Linear(nn.Linear):
@@ -61,11 +62,9 @@ class Embedding(nn.Embedding):
 
 
 def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Per-token loss in fp32 (float64 stays float64); padded vocabulary columns are excluded from the softmax."""
-    logits = at_least_fp32(logits)
-    if logits.shape[-1] > vocab_size:
-        logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= vocab_size, float("-inf"))
-    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape)
+    """Per-token loss in fp32; padded vocabulary columns are excluded from the softmax. The logits are kept
+    in their own dtype and the fp32 softmax is computed in chunks (lean.cross_entropy)."""
+    return cross_entropy(logits, labels, 0, min(vocab_size, logits.shape[-1]))
 
 
 def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: Optional[AttentionDropout]) -> torch.Tensor:

@@ -40,6 +40,7 @@ from tricorn.model.dropout import (
 )
 from tricorn.model.init import INIT_KEY_ATTR, SHARD_ATTR, ShardInfo, init_weights, shard_info
 from tricorn.model.layers import RopeScaling, Rotary
+from tricorn.model.lean import split_qkv_rope, swiglu
 from tricorn.model.spec import LayerSpec, local_spec
 
 
@@ -64,11 +65,9 @@ class Attention(nn.Module):
         b, s = qkv.shape[:2]
         # [b, s, local groups, q_per_group + 2, d]: the group count is whatever slice this rank holds.
         qkv = qkv.view(b, s, -1, self.q_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, : self.q_per_group].flatten(2, 3).transpose(1, 2)
-        k = qkv[:, :, :, self.q_per_group].transpose(1, 2)
-        v = qkv[:, :, :, self.q_per_group + 1].transpose(1, 2)
-        if rotary is not None:
-            q, k = rotary(q, position_ids), rotary(k, position_ids)
+        cos, sin = rotary.rows(position_ids, qkv.dtype) if rotary is not None else (None, None)
+        # q, k, v as separate tensors (RoPE'd): attention keeps exactly these, and the QKV output is freed.
+        q, k, v = (t.transpose(1, 2) for t in split_qkv_rope(qkv, self.q_per_group, cos, sin))
         out = self.spec.core_attention(q, k, v, self._dropout(sample_ids, b, local_heads=q.shape[1]))
         return self.wo(out.transpose(1, 2).flatten(2))
 
@@ -80,23 +79,28 @@ class Attention(nn.Module):
         return AttentionDropout(self.dropout_p, key, head_offset=self.spec.tp_rank * local_heads)
 
 
+class Activation(nn.Module):
+    """The MLP's nonlinearity (a module so selective recompute can drop and rebuild its output)."""
+
+    def __init__(self, gated: bool):
+        super().__init__()
+        self.gated = gated
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return swiglu(h) if self.gated else F.gelu(h)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
-        self.swiglu = cfg.swiglu
+        self.act = Activation(cfg.swiglu)
         bias = not cfg.disable_bias_linear
         # SwiGLU rows interleave (gate_i, up_i) so any contiguous slice holds whole pairs.
         self.w1 = spec.column_linear(cfg.hidden_size, cfg.ffn_size * (2 if cfg.swiglu else 1), bias=bias)
         self.w2 = spec.row_linear(cfg.ffn_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.w1(x)
-        if self.swiglu:
-            h = h.unflatten(-1, (-1, 2))
-            h = F.silu(h[..., 0]) * h[..., 1]
-        else:
-            h = F.gelu(h)
-        return self.w2(h)
+        return self.w2(self.act(self.w1(x)))
 
 
 class TransformerBlock(nn.Module):

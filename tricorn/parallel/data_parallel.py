@@ -23,7 +23,12 @@ Stages (Megatron's DDP + distributed optimizer, and ZeRO-2/3):
      forward pre-hook waiting only for the buckets that hold its parameters.
   2  ZeRO-2. No full-size gradient storage: a bucket's gradients are gathered in
      a transient bucket buffer, reduce-scattered on every microbatch into a
-     persistent owned shard (1/DP of the gradients), and the buffer released.
+     persistent owned shard (1/DP of the gradients) as soon as the bucket's last
+     gradient arrives (whatever --overlap-grad-reduce says), and the buffer is
+     released when its reduce-scatter completes. At most MAX_REDUCING buckets
+     are in flight: launching one more first waits for the oldest. Peak
+     gradient memory per rank: full/DP (the shards) + the bucket filling + the
+     MAX_REDUCING in flight (2 buckets; tests/test_data_parallel.py measures it).
   3  ZeRO-3. As 2, with one bucket per layer and the parameters sharded as well
      (zero3.py gathers a layer's parameters around its forward and backward).
 
@@ -48,6 +53,11 @@ from torch import nn
 from tricorn.config import Config
 from tricorn.parallel.grads import is_tied_copy, is_tied_embedding
 from tricorn.parallel.state import ParallelState
+
+# ZeRO-2/3: transient bucket buffers whose reduce-scatter may be in flight at once. One keeps the peak at
+# full/DP + 2 buckets (the one filling, the one reducing) and still overlaps each reduction with the next
+# bucket's backward.
+MAX_REDUCING = 1
 
 
 @dataclass(frozen=True)
@@ -235,6 +245,7 @@ class DataParallel:
         self.in_microbatch = False
         self.is_last = False  # inside the last microbatch of the iteration
         self.cursor = 0  # next bucket whose reduction starts (buckets start in order on every rank)
+        self.reducing: list[Bucket] = []  # ZeRO-2/3: launched buckets whose transient buffer is still held
         self.dirty = False  # gradients arrived since the last completed reduction
         self.inject_inf = False  # test hook (see optimizer.py): poison the next gradient
         self.trace: Optional[list[tuple[str, int]]] = None  # ("grad"|"launch", bucket) events when a list
@@ -310,7 +321,8 @@ class DataParallel:
             bucket.ready = True
             if self.on_bucket_ready is not None:
                 self.on_bucket_ready(bucket)
-            if self.opts.overlap_grad_reduce and self.reduce_this_microbatch:
+            # ZeRO-2/3 always reduce a bucket once it is complete: its buffer is transient and must go early.
+            if (self.opts.overlap_grad_reduce or self.opts.sharded_grads) and self.reduce_this_microbatch:
                 self._launch(ready_only=True)
 
     def _launch(self, ready_only: bool) -> None:
@@ -322,10 +334,15 @@ class DataParallel:
             if self.trace is not None:
                 self.trace.append(("launch", bucket.index))
             self.cursor += 1
+            if self.opts.sharded_grads:
+                self.reducing.append(bucket)
+                while len(self.reducing) > MAX_REDUCING:  # bound the transient buffers: release the oldest
+                    self.reducing.pop(0).finish_reduce()
 
     def wait_reductions(self) -> None:
         for b in self.buckets:
             b.finish_reduce()
+        self.reducing = []
         self.cursor = 0
         self.dirty = False
 
@@ -367,6 +384,7 @@ class DataParallel:
             else:
                 b.grad_flat.zero_()
             b.arm()
+        self.reducing = []
         self.cursor = 0
         self.dirty = False
 

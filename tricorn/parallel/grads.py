@@ -92,7 +92,8 @@ def global_grad_norm(
     grads = [g for p in params if (g := grad_fn(p)) is not None and g.numel() and counts_for_norm(p, state)]
     squares = torch.zeros((), dtype=torch.float32, device=state.device)
     if grads:  # one fused kernel per dtype/device group instead of a Python loop of pow/sum
-        squares = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).pow(2).sum()
+        # With --optimizer-cpu-offload the gradients are host staging buffers; NCCL reduces device tensors only.
+        squares = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).pow(2).sum().to(state.device)
     dist.all_reduce(squares, group=state.mp_group)
     if dp_sharded:
         dist.all_reduce(squares, group=state.dp_cp_group)

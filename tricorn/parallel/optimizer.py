@@ -221,6 +221,16 @@ class Optimizer:
         if write_back:
             self.sync_master_from_params()
 
+    def params_from_masters(self) -> None:
+        """After a checkpoint load wrote the owned master values: the owned parameter values follow, the
+        distributed optimizer all-gathers them (ZeRO-1/2), and ZeRO-3's gathered copies are dropped."""
+        for s in self.shards:
+            s.copy_master_to_params()
+            if self.opts.stage in (1, 2):
+                s.bucket.start_param_gather()
+        self.finish_param_sync()
+        self.release_gathered()
+
     def sync_master_from_params(self) -> None:
         for s in self.shards:
             s.sync_from_params()

@@ -7,11 +7,13 @@ Flags (Megatron names):
     --recompute-granularity full --recompute-method block --recompute-num-layers N
         the first N layers of each model chunk (pipeline stage, or virtual stage), each keeping only its input;
         the other layers keep everything
-    --recompute-granularity selective [--recompute-modules core_attn mlp norm]   (default core_attn)
+    --recompute-granularity selective [--recompute-modules core_attn mlp norm mlp_act]   (default core_attn)
         core_attn: the attention core (SDPA) is recomputed from q, k, v
         mlp:       the MLP is recomputed from its input
         norm:      the two norms' outputs (the QKV and MLP input) are dropped after use and rebuilt
                    from the norm input just before the backward needs them (Megatron's CheckpointWithoutOutput)
+        mlp_act:   the MLP's activation output (SwiGLU's silu(gate) * up, or GeLU's output: w2's input) is
+                   dropped the same way and rebuilt from w1's output (implied by mlp)
 
 Mechanics. Full and core_attn/mlp use ``torch.utils.checkpoint`` (non-reentrant): the forward runs
 once without keeping the region's intermediates, and the first backward access re-runs it. A group of N
@@ -33,8 +35,9 @@ Memory effect (per layer and microbatch; the formula is in tricorn/planning/acti
 e*s*b*h (the layer input, /TP under SP) per group of N layers, plus one group's full activations while its
 backward runs; selective core_attn drops the attention core's saved state (flash: its fp32 log-sum-exp;
 math attention: the s x s softmax, dropout mask and dropped probabilities); mlp drops the MLP intermediates;
-norm drops the two norm outputs (under SP, QKV and w1 keep their own all-gathered inputs, so norm only
-empties the shard a checkpointed MLP holds). Compute: full adds about one forward per step (~+33%), selective much less.
+norm drops the two norm outputs (the sequence shards QKV and w1 save, under SP); mlp_act drops w2's input
+(f per token, /TP). Compute: full adds about one forward per step (~+33%), selective much less (norm and
+mlp_act: two norms and one elementwise activation per layer).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-RECOMPUTE_MODULES = ("core_attn", "mlp", "norm")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "norm", "mlp_act")
 _APPLIED = "_tricorn_recompute"
 
 
@@ -84,7 +87,7 @@ def validate_recompute(cfg: Any) -> list[str]:
         if unknown:
             errs.append(f"--recompute-modules {' '.join(unknown)} unknown; choose from {' '.join(RECOMPUTE_MODULES)}")
         if not m.recompute_modules:
-            errs.append("selective recompute needs at least one of --recompute-modules core_attn mlp norm")
+            errs.append("selective recompute needs at least one of --recompute-modules core_attn mlp norm mlp_act")
         return errs
     if method is None:
         errs.append("--recompute-granularity full needs --recompute-method uniform (groups of N layers) or block (first N)")
@@ -217,17 +220,17 @@ def _checkpoint_mlp(block: nn.Module, context_fn: Callable) -> None:
     block.mlp.forward = checkpointed(block.mlp.forward, context_fn)
 
 
-def _recompute_norm_output(norm: nn.Module, consumer: nn.Module) -> None:
-    """Free `norm`'s output once `consumer` (which saved it) has run; rebuild it when consumer's backward starts.
+def _recompute_output(producer: nn.Module, consumer: nn.Module) -> None:
+    """Free `producer`'s output once `consumer` (which saved it) has run; rebuild it when consumer's backward starts.
 
     The storage is emptied in place, so the tensors autograd saved (views of it) stay valid objects and are
     refilled - not replaced - before use; the version counter is untouched, so autograd's checks still hold.
     """
-    norm_forward = norm.forward
+    produce = producer.forward
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        y = norm_forward(x)
+        y = produce(x)
         if torch.is_grad_enabled() and y.requires_grad and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
             pending.append((x, y))
         return y
@@ -246,13 +249,13 @@ def _recompute_norm_output(norm: nn.Module, consumer: nn.Module) -> None:
             if storage.nbytes() == nbytes:
                 return  # already rebuilt (a second backward through a retained graph)
             with torch.no_grad():
-                again = norm_forward(x)
+                again = produce(x)
             storage.resize_(nbytes)
             storage.copy_(again.untyped_storage())
 
         out.register_hook(refill)
 
-    norm.forward = forward
+    producer.forward = forward
     consumer.register_forward_hook(after_consumer)
 
 
@@ -287,8 +290,10 @@ def apply_recompute(chunks: Sequence[nn.Module], model_cfg: Any, tracker: Option
             if "mlp" in plan.modules:
                 _checkpoint_mlp(block, context_fn)
             if "norm" in plan.modules:
-                _recompute_norm_output(block.attention_norm, block.attention)
-                _recompute_norm_output(block.mlp_norm, block.mlp)
+                _recompute_output(block.attention_norm, block.attention)
+                _recompute_output(block.mlp_norm, block.mlp)
+            if "mlp_act" in plan.modules and "mlp" not in plan.modules:  # a checkpointed MLP keeps nothing inside
+                _recompute_output(block.mlp.act, block.mlp.w2)
     return plan
 
 

@@ -37,6 +37,12 @@ class ParamShard:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: torch.Tensor
+    value: torch.Tensor  # the parameter's own (possibly 16-bit) values of the range, a view of its bucket
+
+    @property
+    def master_is_value(self) -> bool:
+        """fp32 parameters on the device are their own master copy (the same storage)."""
+        return self.master.data_ptr() == self.value.data_ptr() and self.master.dtype == self.value.dtype
 
 
 def _buffer(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
@@ -106,6 +112,11 @@ class ShardState:
             self.param_staging.copy_(self.master)
             target.copy_(self.param_staging, non_blocking=True)
 
+    def copy_master_to_params(self) -> None:
+        """After the master values were written (a checkpoint load): the owned parameter values follow."""
+        if not self.alias:
+            self._copy_to_params()
+
     def sync_from_params(self) -> None:
         if not self.alias:
             self.master.copy_(self.bucket.shard_param())
@@ -122,7 +133,10 @@ class ShardState:
         out = []
         for m, step, (p, lo, hi, first) in zip(self.masters, self._steps(), self.entries):
             chunk, name = names[id(p)]
-            out.append(ParamShard(chunk, name, p, first, first + hi - lo, m, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], step))
+            value = self.bucket.shard_param()[lo:hi]
+            out.append(
+                ParamShard(chunk, name, p, first, first + hi - lo, m, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], step, value)
+            )
         return out
 
     def state_dict(self) -> dict:

@@ -11,7 +11,12 @@ one reduction per direction:
 
 Sequence parallel keeps the activations between those pairs (norms, dropout,
 residual) sharded along the sequence, dividing their memory by TP at no extra
-communication volume (all-reduce = reduce-scatter + all-gather). Parameters
+communication volume (all-reduce = reduce-scatter + all-gather). Under SP a
+column-parallel linear (and the head) saves its input's sequence SHARD for
+backward, not the all-gathered sequence, and all-gathers it again in backward
+(asynchronously, overlapped with the input-gradient matmul, whose
+reduce-scatter in turn overlaps the weight-gradient matmul), as Megatron does:
+one more all-gather per linear in backward for 1/TP of its saved input. Parameters
 that are replicated over TP but see only a sequence shard (norm weights, row
 biases) get partial gradients; they carry `sequence_parallel = True` and the
 trainer all-reduces their gradients over TP (grads.py).
@@ -19,7 +24,9 @@ trainer all-reduces their gradients over TP (grads.py).
 The embedding is vocab-parallel (rows split over TP, out-of-range tokens
 give zeros, outputs summed), and the loss is a vocab-parallel cross entropy
 that reduces three [b, s] tensors (max, target logit, sum of exp) over TP and
-never gathers the [b, s, V] logits. Memory: weights / TP; logits / TP.
+never gathers the [b, s, V] logits; it keeps the logits in the compute dtype and
+does its fp32 math in chunks (tricorn.model.lean.cross_entropy). Memory: weights
+/ TP; logits / TP.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from torch import nn
 
 from tricorn.config import Config
 from tricorn.model.init import SHARD_ATTR, ShardInfo, shard_info
-from tricorn.model.layers import at_least_fp32
+from tricorn.model.lean import cross_entropy
 from tricorn.model.spec import HeadLinear, LayerSpec, make_norm, masked_cross_entropy
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
@@ -87,6 +94,38 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         x = x.contiguous()
         dist.all_reduce(x, group=group)
     return x
+
+
+def _seq_first(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(0, SEQ_DIM).contiguous()
+
+
+class _GatherLinear(torch.autograd.Function):
+    """F.linear(all_gather_seq(x), weight, bias), saving x's sequence shard rather than the gathered input."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(_all_gather_seq(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        group, world = ctx.group, dist.get_world_size(ctx.group)
+        shard = _seq_first(x)
+        gathered = shard.new_empty((world * shard.shape[0],) + shard.shape[1:])
+        gather = dist.all_gather_into_tensor(gathered, shard, group=group, async_op=True)
+        grad_input = _seq_first(grad.matmul(weight))  # overlaps the all-gather
+        grad_shard = grad_input.new_empty((grad_input.shape[0] // world,) + grad_input.shape[1:])
+        gather.wait()
+        scatter = dist.reduce_scatter_tensor(grad_shard, grad_input, group=group, async_op=True)
+        grad2d = grad.reshape(-1, grad.shape[-1])
+        total = gathered.transpose(0, SEQ_DIM).reshape(-1, gathered.shape[-1])
+        grad_weight = grad2d.t().matmul(total)  # overlaps the reduce-scatter
+        grad_bias = grad2d.sum(0) if ctx.has_bias else None
+        scatter.wait()
+        return grad_shard.transpose(0, SEQ_DIM), grad_weight, grad_bias, None
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -185,8 +224,16 @@ class _TPBase(nn.Module):
         self.tp = dist.get_world_size(group)
 
     def _enter(self, x: torch.Tensor) -> torch.Tensor:
-        """Input of a column-parallel layer: all-gather the sequence (SP) or mark the TP fan-out."""
+        """Input of a column-parallel layer computed by another kernel (Transformer Engine): the gathered
+        sequence (SP) or the TP fan-out."""
         return gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+
+    def _column(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A column-parallel product: under SP all-gather the sequence (saving only the shard), else mark the
+        TP fan-out."""
+        if self.sequence_parallel and self.tp > 1:
+            return _GatherLinear.apply(x, weight, bias, self.group)
+        return F.linear(copy_to_tp(x, self.group), weight, bias)
 
 
 class ColumnParallelLinear(_TPBase):
@@ -198,7 +245,7 @@ class ColumnParallelLinear(_TPBase):
         self.bias = _mark(nn.Parameter(torch.zeros(out_features // self.tp)), 0, group, out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._enter(x), self.weight, self.bias)
+        return self._column(x, self.weight, self.bias)
 
 
 class RowParallelLinear(_TPBase):
@@ -249,7 +296,7 @@ class ParallelHead(_TPBase):
             self.weight = _mark(nn.Parameter(torch.empty(num_embeddings // self.tp, dim)), 0, group, vocab_size)
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return F.linear(self._enter(x), self.weight if weight is None else weight)
+        return self._column(x, self.weight if weight is None else weight)
 
 
 class SequenceScatter(nn.Module):
@@ -264,42 +311,25 @@ class SequenceScatter(nn.Module):
 # ---------------------------------------------------------------- vocab-parallel cross entropy
 
 
-class _VocabParallelCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, labels, vocab_size, group):
-        logits = at_least_fp32(logits)
-        start, real = ShardInfo(0, dist.get_rank(group), dist.get_world_size(group), vocab_size).real_range()
-        columns = torch.arange(logits.shape[-1], device=logits.device)
-        logits = logits.masked_fill(columns >= real, float("-inf"))  # padding never counts
-        max_logit = logits.max(dim=-1).values
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
-        logits = logits - max_logit.unsqueeze(-1)
-        local = labels - start
-        mine = (local >= 0) & (local < real)
-        local = local.masked_fill(~mine, 0)
-        target = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        exp = logits.exp()
-        sum_exp = exp.sum(dim=-1)
-        _all_reduce(target, group)
-        _all_reduce(sum_exp, group)
-        loss = sum_exp.log() - target
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, mine)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local, mine = ctx.saved_tensors
-        grad = softmax
-        grad.scatter_add_(-1, local.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype))
-        return grad * grad_loss.unsqueeze(-1), None, None, None
+def _all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, group) -> torch.Tensor:
-    if dist.get_world_size(group) == 1:  # the whole vocabulary is here: torch's fused loss is cheaper
+    """Per-token fp32 loss over logits split by vocabulary: the slices' log-sum-exps and target logits are
+    combined with three all-reduces of [b, s] fp32 tensors; the logits are never gathered."""
+    if dist.get_world_size(group) == 1:
         return masked_cross_entropy(logits, labels, vocab_size)
-    return _VocabParallelCE.apply(logits, labels, vocab_size, group)
+    start, real = ShardInfo(0, dist.get_rank(group), dist.get_world_size(group), vocab_size).real_range()
+    return cross_entropy(
+        logits,
+        labels,
+        start,
+        real,
+        reduce_max=functools.partial(_all_reduce_max, group=group),
+        reduce_sum=functools.partial(_all_reduce, group=group),
+    )
 
 
 # ---------------------------------------------------------------- RNG tracker

@@ -7,60 +7,61 @@ Our block: pre-norm RMSNorm (or LayerNorm), fused QKV with GQA and RoPE, SDPA, o
 MLP, optional residual and attention dropout. One layer, one microbatch of b samples of s tokens on this rank
 (s after CP), hidden h, a query heads, g key/value groups of d = h/a, r = g/a, MLP width f, TP t, element size
 e (4 fp32, 2 bf16/fp16). Counted the way Korthikanti et al. 2022 count sbh(34 + 5as/h) for GPT-3 (every tensor
-a backward needs, in bytes); ``layer_activation_terms`` returns one field per row:
+a backward needs, in bytes); ``layer_activation_terms`` returns one field per row. Every tensor is saved once,
+in the compute dtype, and sharded over the sequence (SP) or the tensor dimension (tricorn/model/lean.py):
 
-    field             bytes / sbh                     what autograd keeps
-    norm_inputs       2 * 4 * (1 + c)       [/t SP]   the two norms' fp32 inputs (a cast copy in bf16); c = 1 on
-                                                      CPU, whose unfused rms_norm also keeps x*rstd in fp32
+    field             bytes / sbh                     what autograd keeps (module that saves it)
+    norm_inputs       2e                    [/t SP]   the two norms' inputs (the norms, lean.norm)
     norm_stats        2 * 4k / h            [/t SP]   fp32 rstd (k = 1) - LayerNorm: mean too (k = 2)
-    linear_inputs     2e                              the norm outputs, input of QKV and of w1 (SP: their
-                                                      all-gathered copies, so not / t)
+    linear_inputs     2e                    [/t SP]   the norm outputs, input of QKV and of w1 (the linears; under
+                                                      SP their sequence shard, all-gathered again in backward)
     dropout_masks     2                     [/t SP]   residual dropout masks (bool), if --hidden-dropout > 0
-    qkv               e(1 + 2r) / t                   the fused QKV output: v is a view of it, so SDPA keeps it whole
-                      + e(1 + r) / t                  RoPE'd q and k (learned positions: 0 - q, k are views of QKV)
+    qkv               e(1 + 2r) / t                   q, k (RoPE'd) and v as three tensors (SDPA; lean.split_qkv_rope)
     attention_output  e / t                           SDPA's output is the out projection's input
     attention_core    4a / (h t)                      flash / memory-efficient SDPA: fp32 log-sum-exp per head and
                                                       token; no s x s tensor is stored
-    mlp               4e f/(h t) SwiGLU               gate|up output (2f), silu(gate), their product
+    mlp               3e f/(h t) SwiGLU               gate|up (2f, lean.swiglu) and its output (f, w2's input)
                       2e f/(h t) GeLU                 w1 output, gelu output
-    rope_tables       4esd in all: the cos and sin rows for q and k (not per sample, not split by TP)
-    norm_weights      bf16/fp16 only, 2 * 4h in all: the fp32 copies of the two norm weights (4h more for
-                      LayerNorm's bias)
+    rope_tables       2esd in all: the cos and sin rows (compute dtype), not per sample, not split by TP
 
-Summed, with RMSNorm, RoPE and flash attention, no dropout:
+Summed, with RMSNorm, RoPE and flash attention, no dropout, SP (and CPU, whose only difference is dropout):
 
-    CPU, fp32 (e = 4, c = 1):      sbh(24 + (12 + 12r + 4a/h + 4k f/h) / t) + 8sb + 16sd     k = 4 SwiGLU, 2 GeLU
-    GPU, bf16 (e = 2, c = 0), SP:  sbh(4 + (14 + 6r + 8f/h + 4a/h + 8/h) / t) + 8sd + 8h      (SwiGLU)
-    GPU, bf16, TP without SP:      sbh(12 + (6 + 6r + 8f/h + 4a/h) / t) + 8sb + 8sd + 8h
+    sb(12h + 4h_kv + 6f)/t * (e / 2) + 4sb(2 + a)/t + 2esd          (SwiGLU; h_kv = g d)
 
-e.g. Llama-2-7B (r = 1, f/h = 2.69) in bf16 with SP: sbh(4 + 41.5/t), against GPT-3's sbh(34 + 5as/h)/t in
-Korthikanti's accounting: no s x s term (flash), but fp32 norm inputs and the all-gathered linear inputs.
+which is Megatron's count - the input and the normalised input of both norms, q, k, v and the attention
+output, both SwiGLU halves and its output - plus the softmax and norm statistics and the RoPE rows. e.g.
+Llama-2-7B, TP2 SP, s 4096, b 1, bf16: 269.5 MB + 0.3 MB statistics + 2.1 MB RoPE rows = 271.8 MB per layer.
+Without SP the norm terms and linear inputs are not divided by t.
 
     attention dropout (--attention-dropout > 0): attention runs as explicit math so that its masks are
     layout-independent (tricorn/model/dropout.py). Instead of the QKV output, the RoPE'd q, k and the
     log-sum-exp it keeps copies of q, and of k and v expanded to a heads, 3e / t, the s x s tensors,
     (4 [fp32 softmax] + 1 [bool mask] + e [dropped probs]) * a s / (h t), and the [s, s_k] causal mask
     (s * s_k bytes in all). KORTHIKANTI's math attention keeps (e + 1 + e) a s / (h t): 5as/h in fp16.
+    The attention core always gets the causal flag, never a mask, so SDPA's flash path applies; context
+    parallelism passes an explicit [s, s*cp] bool mask (s^2 cp bytes per layer call, transient).
 
-Variants. TP divides everything inside the TP region (QKV ... MLP); SP also divides the norm and dropout terms
-(they act on the sequence shard). Selective recompute (tricorn.parallel.recompute): core_attn removes the SDPA
-state (flash: 4a/(ht); math: 3e/t and the s x s terms, while q, k, v held by the checkpoint are the QKV and
-RoPE terms again); mlp removes the MLP term (under SP it also turns w1's all-gathered input, e, into the norm
-output's shard the checkpoint holds, e/t); norm removes the norm outputs, 2e without SP - under SP only the
-shard a checkpointed MLP would hold, since QKV and w1 keep their own all-gathered copies. Full recompute keeps
-only the layer input (layer_input), e*sbh (/t under SP) per group of N layers - plus, transiently during
-backward, one group's full activations (``stage_activation_bytes`` adds the groups and that one group).
+Variants. TP divides everything inside the TP region (QKV ... MLP); SP also divides the norm terms, the
+linear inputs and the dropout masks (they act on the sequence shard). Selective recompute
+(tricorn.parallel.recompute): core_attn removes the SDPA state (flash: 4a/(ht); math: 3e/t and the s x s
+terms, while q, k, v held by the checkpoint are the qkv term again); mlp removes the MLP term (its checkpoint
+holds the norm output, a linear input already counted); norm removes the two norm outputs (linear_inputs);
+mlp_act removes w2's input (e f/(ht)). With norm and mlp_act a Llama layer keeps sb(8h + 4h_kv + 4f)/t * e/2
+plus statistics. Full recompute keeps only the layer input (layer_input), e*sbh (/t under SP) per group of N
+layers - plus, transiently during backward, one group's full activations (``stage_activation_bytes`` adds the
+groups and that one group).
 
-Profiles. ``TRICORN`` is the table above (tricorn's block). ``KORTHIKANTI`` (norm inputs of e bytes, no
-statistics, no RoPE copies, sharded SP inputs, 1-byte masks, math attention) gives exactly Korthikanti et al.'s
-sbh(34 + 5as/h) for a GPT-3 block in fp16, sbh(10 + 24/t + 5as/(ht)) with TP, sbh/t(34 + 5as/h) with TP+SP and
-34sbh/t with selective recompute (``korthikanti_layer_bytes``, Table 2).
+Profiles. ``TRICORN`` is the table above (tricorn's block). ``KORTHIKANTI`` (no statistics, no RoPE rows,
+1-byte masks, math attention) gives exactly Korthikanti et al.'s sbh(34 + 5as/h) for a GPT-3 block in fp16,
+sbh(10 + 24/t + 5as/(ht)) with TP, sbh/t(34 + 5as/h) with TP+SP and 34sbh/t with selective recompute
+(``korthikanti_layer_bytes``, Table 2).
 
 Checked (tests/test_activation_probe.py): the probe equals ``TRICORN`` to the byte on CPU in fp32 and bf16,
 RMSNorm and LayerNorm, with residual and attention dropout, without recompute and with every selective
-variant, and on 2 ranks with TP and SP (fp32); with full recompute it measures the layer input plus the int64
-position ids (8s bytes) the chunk's first checkpoint keeps. Attention dropout is matched in bf16 too (the explicit attention is ours, not a torch kernel). The GPU rows
-assume torch's fused rms_norm (input + rstd kept) and flash / memory-efficient SDPA; they were not measured on a GPU.
+variant, and on 2 ranks with TP and SP (fp32 and bf16); with full recompute it measures the layer input plus
+the int64 position ids (8s bytes) the chunk's first checkpoint keeps. Attention dropout is matched in bf16 too
+(the explicit attention is ours, not a torch kernel). The GPU rows assume flash / memory-efficient SDPA; they
+were not measured on a GPU.
 
 Microbatches in flight on pipeline stage r of p with M microbatches: 1F1B min(p - r, M); interleaved with v
 chunks min(2(p - r - 1) + (v - 1)p + 1, Mv) chunk-forwards of L/(pv) layers - on the first stage
@@ -68,10 +69,10 @@ L(1 + (p - 1)/(pv)) layers' worth, Korthikanti's factor; GPipe M; no pipeline 1.
 
 Outside the layers, per microbatch (``other_saved_bytes``, the probe's activation_bytes_other): the token ids
 on the first stage (int64; with TP the local ids and a 1-byte out-of-range mask instead); on the last stage
-the final norm's input and statistics, the head's input, and the vocab-parallel cross entropy's fp32 softmax
-over V/t columns with its local labels and mask (9 bytes per token). At the peak (``embedding_logits_bytes``)
-the ids of every microbatch in flight, and on the last stage also the transient logits: the head output (e per
-logit) and a second fp32 copy inside the cross entropy.
+the final norm's input and statistics, the head's input (its sequence shard under SP), and the cross entropy's
+logits in the compute dtype over V/t columns with its fp32 log-sum-exp, local labels and mask (13 bytes per
+token). At the peak (``embedding_logits_bytes``) the ids of every microbatch in flight, and on the last stage
+also the transient logit gradient (e per logit) and one fp32 chunk of CE_CHUNK_ELEMENTS logits.
 
 No collectives, no device work.
 """
@@ -83,6 +84,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Optional
 
 from tricorn.config import ModelConfig
+from tricorn.model.lean import CE_CHUNK_ELEMENTS
 
 if TYPE_CHECKING:
     from tricorn.planning.memory import Layout
@@ -97,7 +99,7 @@ class ActivationProfile:
     norm_stats_bytes: float  # per token, norm and statistic (fp32 rstd; LayerNorm's mean too)
     norm_weight_fp32_copy: bool  # a 16-bit norm weight is cast to fp32 for each forward, and the copy is saved
     flash: bool  # fused SDPA (our block runs explicit attention math instead only with attention dropout)
-    rope_copies: bool  # RoPE'd q and k kept beside the fused QKV output, plus the cos/sin rows per layer
+    rope_rows: int  # [s, d] tables of the compute dtype each layer keeps for RoPE's backward (cos, sin)
     attention_output_copies: int
     sp_gathered_inputs: bool  # under SP, column-parallel linears keep their all-gathered input
 
@@ -113,14 +115,14 @@ class ActivationProfile:
 
 
 TRICORN = ActivationProfile(
-    norm_input_bytes=4,
-    cpu_rmsnorm_copies=2,
+    norm_input_bytes=None,
+    cpu_rmsnorm_copies=1,
     norm_stats_bytes=4,
-    norm_weight_fp32_copy=True,
+    norm_weight_fp32_copy=False,
     flash=True,
-    rope_copies=True,
+    rope_rows=2,
     attention_output_copies=1,
-    sp_gathered_inputs=True,
+    sp_gathered_inputs=False,
 )
 KORTHIKANTI = ActivationProfile(
     norm_input_bytes=None,
@@ -128,7 +130,7 @@ KORTHIKANTI = ActivationProfile(
     norm_stats_bytes=0,
     norm_weight_fp32_copy=False,
     flash=False,
-    rope_copies=False,
+    rope_rows=0,
     attention_output_copies=1,
     sp_gathered_inputs=False,
 )
@@ -157,6 +159,11 @@ class LayerActivationTerms:
 
 def activation_element_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
+
+
+def _mlp_widths(swiglu: bool, act_recomputed: bool) -> int:
+    """MLP tensors saved, in units of f: SwiGLU's gate|up (2) and its output (1); GeLU's input and output."""
+    return (3 if swiglu else 2) - (1 if act_recomputed else 0)
 
 
 def _linear_inputs(esbh: float, sp_div: int, selective: set[str], profile: ActivationProfile) -> float:
@@ -193,10 +200,7 @@ def layer_activation_terms(
     selective = set(recompute_modules) if recompute == "selective" else set()
     norm = model.normalization
     qkv = e * s * b * (h + 2 * gd)
-    rope_tables = 0.0
-    if profile.rope_copies and model.position_embedding_type == "rope":
-        qkv += e * s * b * (h + gd)
-        rope_tables = 4 * e * s * d  # cos and sin rows for q and for k, not per sample, not split by TP
+    rope_tables = profile.rope_rows * e * s * d if model.position_embedding_type == "rope" else 0.0
     copies = profile.attention_output_copies - (1 if "core_attn" in selective else 0)
     if "core_attn" in selective:
         core = 0.0
@@ -220,7 +224,7 @@ def layer_activation_terms(
         qkv=qkv / tp,
         attention_output=e * sbh * max(copies, 1) / tp,
         attention_core=core / tp,
-        mlp=0.0 if "mlp" in selective else e * s * b * f * (4 if model.swiglu else 2) / tp,
+        mlp=0.0 if "mlp" in selective else e * s * b * f * _mlp_widths(model.swiglu, "mlp_act" in selective) / tp,
     )
 
 
@@ -303,19 +307,19 @@ def other_saved_bytes(model: ModelConfig, layout: Layout, stage: int, profile: A
         if profile.norm_weight_fp32_copy and e != 4:
             total += 4 * h * (2 if norm == "LayerNorm" else 1)
         total += e * s * b * h / (1 if profile.sp_gathered_inputs else sp_div)  # the head's input
-        total += (4 * model.padded_vocab_size(tp) / tp + 9) * s * b  # fp32 softmax, local labels and mask
+        total += (e * model.padded_vocab_size(tp) / tp + 13) * s * b  # logits; fp32 lse, local labels and mask
     return total
 
 
 def embedding_logits_bytes(model: ModelConfig, layout: Layout, stage: int, profile: ActivationProfile = TRICORN) -> float:
     """At the stage's peak: the ids of every microbatch in flight; on the last stage one microbatch's saved
-    norm, head input and softmax, plus the transient logits (the head output and a second fp32 copy)."""
+    norm, head input and logits, plus the transient logit gradient and one fp32 chunk of the loss."""
     s, b = model.seq_length // layout.cp, layout.micro_batch
     total = 0.0
     if stage == 0:
         total += _ids_bytes(layout) * s * b * microbatches_in_flight(layout, 0)
     if stage == layout.pp - 1:
         last_only = other_saved_bytes(model, layout, stage, profile) - (_ids_bytes(layout) * s * b if stage == 0 else 0)
-        logits = (activation_element_bytes(layout.precision) + 4) * s * b * model.padded_vocab_size(layout.tp) / layout.tp
-        total += last_only + logits
+        logits = s * b * model.padded_vocab_size(layout.tp) / layout.tp
+        total += last_only + activation_element_bytes(layout.precision) * logits + 4 * min(logits, CE_CHUNK_ELEMENTS)
     return total

@@ -15,7 +15,8 @@ a second copy on the last stage when PP > 1.
 
 Activations (tricorn/planning/activations.py, whose docstring has the formulas): per layer x layers on the
 stage x microbatches in flight, the embedding / head / loss part, and the transient logits.
-Buffers: pipeline send/recv tensors, one DP gradient bucket, ZeRO-3's gathered layer (and its prefetch).
+Buffers: pipeline send/recv tensors, DP gradient buckets (``transient_grad_bytes``), ZeRO-3's gathered layer
+(and its prefetch).
 Overhead: CUDA context, cuBLAS/NCCL workspaces (a fixed ``CUDA_OVERHEAD_BYTES`` on GPU, 0 on CPU).
 
 No collectives, no device work.
@@ -244,15 +245,30 @@ class MemoryEstimate:
         return out
 
 
+def transient_grad_bytes(model: ModelConfig, layout: Layout, stage_params: int) -> float:
+    """Gradient buffers beyond the (sharded) gradients of the model state, at the backward's peak.
+
+    ZeRO-2/3 (parallel/data_parallel.py): the bucket being filled plus at most one whose reduce-scatter is in
+    flight (MAX_REDUCING = 1), each released when its reduction completes - 2 buckets of --ddp-bucket-size
+    elements, or under ZeRO-3 (one bucket per layer) 2 layers. Stages 0-1 keep the full gradient buffer in the
+    model state; one bucket more is counted for the collective's staging."""
+    if layout.dp * layout.cp == 1:
+        return 0.0
+    _, g_bytes, _, _ = bytes_per_param(layout.precision, layout.grads_16bit)
+    if layout.zero_stage >= 3:
+        return 2 * layer_params_per_rank(model, layout.tp) * g_bytes
+    buckets = 2 if layout.zero_stage == 2 else 1
+    return buckets * min(layout.ddp_bucket_elements, stage_params) * g_bytes
+
+
 def _buffers(model: ModelConfig, layout: Layout, stage_params: int) -> float:
     e = activation_element_bytes(layout.precision)
     total = 0.0
     if layout.pp > 1:  # a received activation and a gradient to send, per direction
         tokens = model.seq_length // layout.cp * layout.micro_batch
         total += 2 * e * tokens * model.hidden_size / (layout.tp if layout.sequence_parallel else 1)
-    p_bytes, g_bytes, _, _ = bytes_per_param(layout.precision, layout.grads_16bit)
-    if layout.dp * layout.cp > 1:
-        total += min(layout.ddp_bucket_elements, stage_params) * g_bytes
+    p_bytes, _, _, _ = bytes_per_param(layout.precision, layout.grads_16bit)
+    total += transient_grad_bytes(model, layout, stage_params)
     if layout.zero_stage >= 3:  # the layer being computed and the prefetched next one, unsharded
         total += 2 * layer_params_per_rank(model, layout.tp) * p_bytes
     return total

@@ -4,9 +4,9 @@ Every tensor goes into torch.distributed.checkpoint (DCP) under its global name
 and global shape, so any TP/PP/VPP/DP layout, with or without the distributed
 optimizer and at any ZeRO stage, loads any other:
 
-    model.<name>                   the parameter (layers keyed by global layer id); a TP-split one is a
-                                   DTensor Shard(dim) on the TP mesh (its real rows: vocab padding is
-                                   never saved), a replicated one a plain tensor (DCP keeps one copy)
+    model.<name>                   the parameter (layers keyed by global layer id), in global shape (its
+                                   real rows: vocab padding is never saved), written in pieces by the
+                                   ranks that own them (see Streaming)
     optim.<name>.exp_avg/.exp_avg_sq   Adam moments, same shape and split as the parameter
     optim.<name>.master            fp32 master weights (only when parameters are bf16/fp16)
 
@@ -16,13 +16,13 @@ consumed samples, optimizer step, loss scaler, layout, config, and per-rank
 RNG states keyed by grid position (restored only on an identical layout,
 otherwise re-derived from the seed and the iteration).
 
-Optimizer contract (tricorn.parallel.optimizer): `sharded_param_state()` lists,
-per parameter, the range [start, stop) of p.view(-1) this rank owns with 1-D
-views of its master/exp_avg/exp_avg_sq and its step; `gathered_params(write_back)`
-makes full parameters readable/writable (ZeRO-3). When the ranges are DP
-shards (distributed optimizer), a save assembles each parameter's TP-local
-state with one all-reduce over DP x CP (zeros outside the owned range), and a
-load reads the TP-local state and keeps the owned range.
+Streaming (checkpoint_pieces.py): each rank writes only the pieces it owns - per parameter the range of
+its TP-local tensor that its optimizer shard covers (1/(DP x CP) with the distributed optimizer, at any ZeRO
+stage; without it DP rank 0's copy), cut into global rectangles - straight from its live flat buffers:
+parameter values, fp32 master, Adam moments. A load asks DCP for the pieces this rank owns in the new
+layout and reads them into the same buffers; the parameters then follow the masters, and the distributed
+optimizer all-gathers them (ZeRO-1/2; ZeRO-3 keeps its shards). Nothing is gathered per parameter, and
+ZeRO-3 never materialises a layer for a checkpoint.
 
 Atomicity: every rank writes into DIR/iter_N.tmp-<token>; once DCP's collective
 finish has returned on all ranks, rank 0 renames it to DIR/iter_N, then
@@ -31,16 +31,15 @@ replaces latest_checkpointed_iteration.txt (write temp + rename), then prunes
 only stall) and writes it on a background thread over a dedicated gloo group;
 the next save, or the exit, waits for it.
 
-Collectives: a save = one broadcast (temp name), one scalar all-reduce (step),
-one all-reduce per parameter over DP x CP when the optimizer is DP-sharded,
-DCP's plan/finish gathers, one gather of the checksums, a barrier; a load =
-one all-gather of checksum results (unless --no-verify-checkpoint), DCP's plan gathers.
-Checksums: each rank hashes the shard it wrote on the writer thread (the
-background thread with --async-save) and its RNG file; rank 0 writes them with
-its own files' into checksums.json before the rename that publishes the save.
-Memory: sync save none (writes from the live tensors) except assembled DP-sharded
-optimizer state (TP-local, ~3x the parameters); async save one CPU copy of
-what this rank writes; load one TP-local copy of what it reads.
+Collectives: a save = one broadcast (temp name), one scalar all-reduce (step), DCP's plan/finish
+gathers, one gather of the checksums, two barriers; a load = one all-gather of checksum results (unless
+--no-verify-checkpoint), DCP's plan gathers, then the distributed optimizer's parameter all-gather.
+Checksums: each rank hashes the shard it wrote on the writer thread (the background thread with
+--async-save) and its RNG file; rank 0 writes them with its own files' into checksums.json before the
+rename that publishes the save.
+Memory: a sync save nothing beyond the rank's own state but DCP's staging of one piece at a time (at most
+one parameter's owned range; bench/checkpoint.py and tests/test_checkpoint.py measure the peak); an async save
+one CPU copy of what this rank owns; a load nothing (it reads into the optimizer's buffers).
 """
 
 from __future__ import annotations
@@ -65,6 +64,7 @@ from tricorn.model.init import INIT_KEY_ATTR, global_shape, shard_info
 from tricorn.parallel.state import ParallelState
 from tricorn.training import checkpoint_io as io
 from tricorn.training.checkpoint_io import CheckpointError
+from tricorn.training.checkpoint_pieces import Piece, owned_pieces, owned_tensor
 from tricorn.training.checksums import file_checksums
 from tricorn.training.lr_schedule import learning_rate
 
@@ -78,25 +78,6 @@ def _named_params(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
 
 def _is_copy(p: torch.Tensor) -> bool:
     return hasattr(p, INIT_KEY_ATTR)
-
-
-def _to_global(local: torch.Tensor, p: torch.Tensor, tp_mesh) -> torch.Tensor:
-    """`local` (shaped like p, padded) as its piece of the global tensor: the real rows, a DTensor when TP-split."""
-    info = shard_info(p)
-    if info is None:
-        return local
-    real = local.narrow(info.dim, 0, info.real_range()[1])
-    if info.world == 1:
-        return real
-    from torch.distributed.tensor import DTensor, Shard
-
-    shape = torch.Size(global_shape(p))
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(real, tp_mesh, [Shard(info.dim)], run_check=False, shape=shape, stride=stride)
-
-
-def _local_of(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class Checkpointer:
@@ -115,7 +96,6 @@ class Checkpointer:
         self.pending: Optional[concurrent.futures.Future] = None
         self.last_saved: Optional[int] = None
         self.loaded_iteration = 0
-        self._cpu_mesh = None
         self.stall_seconds: list[float] = []  # training time each save took (bench/checkpoint.py)
 
     # ------------------------------------------------------------ what is saved
@@ -160,46 +140,28 @@ class Checkpointer:
             "saved_at": time.time(),
         }
 
-    def _optimizer_locals(self, trainer, params: list[tuple[str, nn.Parameter]]) -> dict[str, tuple[torch.Tensor, nn.Parameter]]:
-        owned = {id(ps.param): ps for ps in trainer.optimizer.sharded_param_state()}
-        whole = all(id(p) in owned and owned[id(p)].stop - owned[id(p)].start == p.numel() for _, p in params)
-        flag = torch.tensor([0.0 if whole else 1.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        sharded = flag.item() > 0  # some rank holds only a DP shard: assemble over DP x CP
-        out: dict[str, tuple[torch.Tensor, nn.Parameter]] = {}
-        for name, p in params:
-            if _is_copy(p):  # the embedding's twin: identical state, saved once under the embedding's name
+    def _owned(self, trainer) -> dict[str, tuple[torch.Tensor, nn.Parameter, list[Piece]]]:
+        """Checkpoint name -> (a flat owned buffer, its parameter, the global pieces it holds) for what this rank
+        writes: its optimizer shard's range of every parameter, once per DP replica group and TP replica."""
+        opt = trainer.optimizer
+        if not opt.opts.distributed and dist.get_rank(self.state.dp_cp_group) != 0:
+            return {}  # every DP rank holds everything: DP rank 0 writes it
+        names = {id(p): n for n, p in _named_params(trainer.chunks)}
+        out: dict[str, tuple[torch.Tensor, nn.Parameter, list[Piece]]] = {}
+        for ps in opt.sharded_param_state():
+            p = ps.param
+            info = shard_info(p)
+            replicated_over_tp = info is None or info.world == 1
+            if _is_copy(p) or (replicated_over_tp and self.state.tp_rank != 0):
+                continue  # the tied twin is the embedding's; a TP-replicated parameter is written by TP rank 0
+            pieces = owned_pieces(p, ps.start, ps.stop)
+            if not pieces:
                 continue
-            ps = owned.get(id(p))
-            fields = MOMENTS + (("master",) if p.dtype != torch.float32 else ())
-            if sharded:
-                buf = torch.zeros(len(fields), p.numel(), dtype=torch.float32, device=self.state.device)
-                if ps is not None:
-                    for i, f in enumerate(fields):
-                        buf[i, ps.start : ps.stop].copy_(getattr(ps, f))
-                dist.all_reduce(buf, group=self.state.dp_cp_group)
-                values = {f: buf[i].view(p.shape) for i, f in enumerate(fields)}
-            else:
-                values = {f: getattr(ps, f).view(p.shape) for f in fields}
-            out.update({f"optim.{name}.{f}": (v, p) for f, v in values.items()})
+            name = names[id(p)]
+            out[f"model.{name}"] = (ps.value, p, pieces)
+            fields = MOMENTS + (() if p.dtype == torch.float32 else ("master",))
+            out.update({f"optim.{name}.{f}": (getattr(ps, f), p, pieces) for f in fields})
         return out
-
-    def _locals(self, trainer) -> dict[str, tuple[torch.Tensor, nn.Parameter]]:
-        """Checkpoint name -> (this rank's tensor shaped like the parameter, the parameter)."""
-        params = _named_params(trainer.chunks)
-        out = {f"model.{n}": (p.detach(), p) for n, p in params if not _is_copy(p)}
-        out.update(self._optimizer_locals(trainer, params))
-        return out
-
-    def _tp_mesh(self, device: torch.device):
-        """The TP mesh for DTensors of `device`: CPU staging copies of CUDA state need a CPU mesh (same ranks)."""
-        if device.type == self.state.mesh.device_type:
-            return self.state.mesh["tp"]
-        if self._cpu_mesh is None:  # created once, by every rank in the same save (a collective)
-            from torch.distributed.device_mesh import DeviceMesh
-
-            self._cpu_mesh = DeviceMesh("cpu", self.state.mesh.mesh, mesh_dim_names=self.state.mesh.mesh_dim_names)
-        return self._cpu_mesh["tp"]
 
     # ------------------------------------------------------------ saving
 
@@ -212,16 +174,16 @@ class Checkpointer:
         tmp = self._make_tmp(it)
         meta = self._meta(trainer)
         rng = io.encode_rng(self._rng_states())
-        with trainer.optimizer.gathered_params():
-            local = self._locals(trainer)
-            if self.cfg.checkpoint.async_save:  # the training stall of an async save: one copy to CPU memory
-                local = {k: (t.to("cpu", copy=True), p) for k, (t, p) in local.items()}
-            tensors = {k: _to_global(t, p, self._tp_mesh(t.device)) for k, (t, p) in local.items()}
-            if not self.cfg.checkpoint.async_save:
-                self._write(tensors, meta, rng, tmp, it)
-                self.last_saved = it
-                self.stall_seconds.append(time.perf_counter() - start)
-                return
+        trainer.optimizer.finish_param_sync()  # the owned values are final before they are read
+        owned = self._owned(trainer)
+        if self.cfg.checkpoint.async_save:  # the training stall of an async save: one copy to CPU memory
+            owned = {k: (t.to("cpu", copy=True), p, pieces) for k, (t, p, pieces) in owned.items()}
+        tensors = {k: owned_tensor(t, p, pieces) for k, (t, p, pieces) in owned.items()}
+        if not self.cfg.checkpoint.async_save:
+            self._write(tensors, meta, rng, tmp, it)
+            self.last_saved = it
+            self.stall_seconds.append(time.perf_counter() - start)
+            return
         self.executor = self.executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tricorn-ckpt")
         self.pending = self.executor.submit(self._write, tensors, meta, rng, tmp, it)
         self.last_saved = it
@@ -350,55 +312,41 @@ class Checkpointer:
             more = f" ({len(errors) - 1} more files differ)" if len(errors) > 1 else ""
             raise CheckpointError(errors[0] + more)
 
-    def _target(self, key: str, p: torch.Tensor, md) -> tuple[torch.Tensor, torch.Tensor]:
-        """(zero buffer shaped like p, incl. padding; the DCP target over its real rows) for checkpoint tensor `key`."""
+    def _check_entry(self, key: str, p: torch.Tensor, md) -> None:
         entry = md.state_dict_metadata.get(key)
         if entry is None or not hasattr(entry, "size"):
             raise CheckpointError(f"checkpoint lacks tensor {key!r}; it was saved from a different model")
         if tuple(entry.size) != global_shape(p):
             raise CheckpointError(f"checkpoint tensor {key!r} has shape {tuple(entry.size)}, this model needs {global_shape(p)}")
-        buf = torch.zeros(p.shape, dtype=entry.properties.dtype, device=self.state.device)
-        return buf, _to_global(buf, p, self._tp_mesh(buf.device))
 
     def _load_tensors(self, trainer, path: Path, md, load_optim: bool, meta: dict) -> None:
-        params = _named_params(trainer.chunks)
-        owned = {id(ps.param): ps for ps in trainer.optimizer.sharded_param_state()}
+        """Read the pieces this rank owns in this layout straight into its master and moment buffers."""
+        opt = trainer.optimizer
+        owned = {id(ps.param): ps for ps in opt.sharded_param_state()}
         keys = md.state_dict_metadata
-        bufs: dict[str, torch.Tensor] = {}
-        targets: dict[str, torch.Tensor] = {}
-        sources: dict[str, torch.Tensor] = {}
-
-        def want(key: str, p: torch.Tensor) -> torch.Tensor:
-            if key not in bufs:
-                bufs[key], targets[key] = self._target(key, p, md)
-                sources[key] = p
-            return bufs[key]
-
-        weights, moments = {}, {}
-        for name, p in params:
+        targets: dict[str, Any] = {}
+        for name, p in _named_params(trainer.chunks):
             master = f"optim.{name}.master"  # the exact fp32 weights when the saving run was mixed precision
-            weights[id(p)] = want(master if master in keys else f"model.{name}", p)
-            if load_optim and id(p) in owned:
-                moments[id(p)] = {f: want(f"optim.{name}.{f}", p) for f in MOMENTS}
+            weight_key = master if master in keys else f"model.{name}"
+            self._check_entry(weight_key, p, md)
+            ps = owned.get(id(p))
+            pieces = owned_pieces(p, ps.start, ps.stop) if ps is not None else []
+            if not pieces:
+                continue
+            if weight_key in targets:
+                raise CheckpointError(f"{name} appears twice on one rank (a tied head beside its embedding)")
+            targets[weight_key] = owned_tensor(ps.master, p, pieces)
+            if load_optim:
+                for f in MOMENTS:
+                    self._check_entry(f"optim.{name}.{f}", p, md)
+                    targets[f"optim.{name}.{f}"] = owned_tensor(getattr(ps, f), p, pieces)
         io.dcp_load(targets, path, self.group)
-        for key, t in targets.items():  # DCP writes through the real-row views; copy where a wrapper did not alias
-            info, local = shard_info(sources[key]), _local_of(t)
-            real = bufs[key] if info is None else bufs[key].narrow(info.dim, 0, info.real_range()[1])
-            if local.data_ptr() != real.data_ptr():
-                real.copy_(local)
         with torch.no_grad():
-            with trainer.optimizer.gathered_params(write_back=True):
-                for _, p in params:
-                    p.copy_(weights[id(p)])
-            step = torch.tensor(float(meta["optimizer_step"]))
-            for ps in owned.values():
-                w = weights[id(ps.param)]
-                if w.dtype == torch.float32:  # precise master (the sync from bf16 params rounded it)
-                    ps.master.copy_(w.view(-1)[ps.start : ps.stop])
-                if id(ps.param) in moments:
-                    for f in MOMENTS:
-                        getattr(ps, f).copy_(moments[id(ps.param)][f].view(-1)[ps.start : ps.stop])
-                    ps.step.copy_(step)
+            if load_optim:
+                step = float(meta["optimizer_step"])
+                for ps in owned.values():
+                    ps.step.fill_(step)
+            opt.params_from_masters()
 
     def _load_progress(self, trainer, meta: dict, load_optim: bool) -> None:
         trainer.iteration = int(meta["iteration"])

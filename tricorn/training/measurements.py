@@ -1,8 +1,9 @@
 """What the logger measures on each rank: memory, the parameter norm, parameter counts, a max over ranks.
 
-Collectives: ``params_norm`` one scalar all-reduce over TP x PP (inside ZeRO-3's parameter gather when
-the optimizer has one); ``parameter_counts`` one all-gather of 4 integers per rank over the world;
-``max_over_ranks`` one all-reduce (max) of a short vector. Memory: scalars only (plus ZeRO-3's gather).
+Collectives: ``params_norm`` one scalar all-reduce over TP x PP (and one over DP x CP with the distributed
+optimizer); ``parameter_counts`` one all-gather of 4 integers per rank over the world;
+``max_over_ranks`` one all-reduce (max) of a short vector. Memory: scalars only (the norm streams over the
+owned parameter ranges; nothing is gathered).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
-from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,21 +33,41 @@ def memory_bytes(device: torch.device) -> tuple[float, float]:
 
 
 def params_norm(chunks: list[torch.nn.Module], state: Any, optimizer: Any = None) -> float:
-    """L2 norm of all parameters, each counted once over TP/PP (grads.py's rule); DP replicas are equal.
+    """L2 norm of all parameters, each counted once over TP/PP (grads.py's rule) and over DP.
 
-    ZeRO-3 keeps only a shard resident, so the norm is taken inside ``optimizer.gathered_params()``.
+    Streams: with an optimizer, each rank sums the squares of the parameter ranges it owns (its optimizer
+    shard: 1/(DP x CP) under the distributed optimizer, whatever the ZeRO stage), one range at a time, so
+    nothing is gathered; the sums are then reduced over TP x PP (and DP x CP when sharded).
     """
     from tricorn.parallel.grads import counts_for_norm
 
-    gathered = getattr(optimizer, "gathered_params", None)
     squares = torch.zeros((), dtype=torch.float32, device=state.device)
-    with gathered() if gathered is not None else nullcontext():
-        for chunk in chunks:
-            for p in chunk.parameters():
-                if counts_for_norm(p, state):
-                    squares += p.detach().float().pow(2).sum()
+    if optimizer is None:
+        values = [p.detach() for chunk in chunks for p in chunk.parameters() if counts_for_norm(p, state)]
+    else:
+        values = [ps.value for ps in optimizer.sharded_param_state() if counts_for_norm(ps.param, state)]
+    for v in values:
+        squares += torch.linalg.vector_norm(v, dtype=torch.float32).to(state.device).pow(2)
     dist.all_reduce(squares, group=state.mp_group)
+    if optimizer is not None and optimizer.opts.distributed:
+        dist.all_reduce(squares, group=state.dp_cp_group)
     return squares.sqrt().item()
+
+
+def cpu_peak_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """(fn(), the peak of bytes allocated by torch's CPU allocator in this thread while fn ran, above the start).
+
+    Read from the profiler's memory events (allocations and frees in time order): what a CPU run holds
+    beyond its steady state, e.g. during a checkpoint save (tests/test_checkpoint.py, bench/checkpoint.py)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return out, peak
 
 
 @dataclass(frozen=True)

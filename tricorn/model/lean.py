@@ -1,0 +1,205 @@
+"""Autograd functions that keep for backward only what Megatron keeps, in the compute dtype.
+
+torch's generic autograd saves more than the math needs: a norm computed in fp32 keeps an fp32 copy of its
+input, RoPE's output beside the fused QKV output, SwiGLU's silu(gate) beside gate and up, and a cross entropy
+in fp32 a full fp32 copy of the logits. These functions do the same math and save less:
+
+    norm            input (compute dtype) + fp32 statistics per token (rstd; LayerNorm's mean too)
+    split_qkv_rope  q, k, v as three tensors (RoPE applied to q and k), saving only the cos/sin rows
+    swiglu          the gate|up input (2f); the output is saved by the next linear
+    cross_entropy   the logits in their own dtype + fp32 log-sum-exp per token; the fp32 softmax is computed
+                    in chunks of CE_CHUNK_ELEMENTS logits in forward and again in backward, never whole
+
+The statistics and all reductions are in fp32, as before. Optional `reduce_max` / `reduce_sum` callables
+let tricorn.parallel make the cross entropy vocab-parallel without this package calling a collective.
+No collectives here; memory effect: see the table above (planning/activations.py counts it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+CE_CHUNK_ELEMENTS = 1 << 24  # fp32 logits per chunk of the cross entropy (64 MiB transient)
+
+Reduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
+
+
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """t upcast to fp32 for numerically sensitive math; float64 stays float64 (layer-level tests compare in float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+# ---------------------------------------------------------------- norms
+
+
+class _Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float, center: bool):
+        xf = at_least_fp32(x)
+        mean = xf.mean(-1, keepdim=True) if center else None
+        xc = xf - mean if center else xf
+        rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+        y = xc * rstd * at_least_fp32(weight)
+        if bias is not None:
+            y = y + at_least_fp32(bias)
+        ctx.save_for_backward(x, weight, rstd, mean)
+        ctx.has_bias = bias is not None
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd, mean = ctx.saved_tensors
+        xhat = ((at_least_fp32(x) - mean) if mean is not None else at_least_fp32(x)) * rstd
+        gy = at_least_fp32(grad)
+        gw = (gy * xhat).flatten(0, -2).sum(0).to(weight.dtype)
+        gb = gy.flatten(0, -2).sum(0).to(weight.dtype) if ctx.has_bias else None
+        gxhat = gy * at_least_fp32(weight)
+        gx = gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True)
+        if mean is not None:
+            gx = gx - gxhat.mean(-1, keepdim=True)
+        return (gx * rstd).to(x.dtype), gw, gb, None, None
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, center: bool) -> torch.Tensor:
+    """RMSNorm (center=False) or LayerNorm (center=True, with bias) in fp32, saving x in its own dtype."""
+    return _Norm.apply(x, weight, bias, eps, center)
+
+
+# ---------------------------------------------------------------- QKV split and RoPE
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """x rotated by +angle (sign 1) or -angle (sign -1, the transpose): rotate-half convention, [b, s, heads, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * (sin if sign > 0 else -sin)
+
+
+class _SplitQKVRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, q_per_group: int):
+        # qkv: [b, s, groups, q_per_group + 2, d]; cos, sin: [s, 1, d] or None.
+        q = qkv[:, :, :, :q_per_group].flatten(2, 3)
+        k, v = qkv[:, :, :, q_per_group], qkv[:, :, :, q_per_group + 1]
+        if cos is not None:
+            q, k = _rotate(q, cos, sin, 1), _rotate(k, cos, sin, 1)
+        ctx.save_for_backward(cos, sin)
+        ctx.shape, ctx.q_per_group = qkv.shape, q_per_group
+        return q.contiguous(), k.contiguous(), v.contiguous()
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        cos, sin = ctx.saved_tensors
+        if cos is not None:
+            gq, gk = _rotate(gq, cos, sin, -1), _rotate(gk, cos, sin, -1)
+        b, s, groups, _, d = ctx.shape
+        n = ctx.q_per_group
+        grad = gq.new_empty(ctx.shape)
+        grad[:, :, :, :n] = gq.view(b, s, groups, n, d)
+        grad[:, :, :, n] = gk
+        grad[:, :, :, n + 1] = gv
+        return grad, None, None, None
+
+
+def split_qkv_rope(
+    qkv: torch.Tensor, q_per_group: int, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[b, s, groups, q_per_group + 2, d] -> q [b, s, heads, d], k and v [b, s, groups, d], RoPE'd when cos is given.
+
+    Three fresh tensors, so attention keeps exactly q, k and v and the fused QKV output is freed."""
+    return _SplitQKVRope.apply(qkv, cos, sin, q_per_group)
+
+
+# ---------------------------------------------------------------- SwiGLU
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return F.silu(h[..., 0::2]) * h[..., 1::2]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        gate, up = h[..., 0::2], h[..., 1::2]
+        sig = torch.sigmoid(gate)
+        out = torch.empty_like(h)
+        out[..., 0::2] = grad * up * sig * (1 + gate * (1 - sig))
+        out[..., 1::2] = grad * gate * sig
+        return out
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for interleaved (gate_i, up_i) features, saving only h."""
+    return _SwiGLU.apply(h)
+
+
+# ---------------------------------------------------------------- cross entropy
+
+
+def _row_chunks(rows: int, width: int) -> Iterator[slice]:
+    step = max(1, CE_CHUNK_ELEMENTS // max(width, 1))
+    for start in range(0, rows, step):
+        yield slice(start, min(rows, start + step))
+
+
+def _fp32_rows(flat: torch.Tensor, rows: slice, real: int) -> torch.Tensor:
+    chunk = flat[rows].to(at_least_fp32(flat[:0]).dtype, copy=True)  # a copy: the math below is in place
+    if real < chunk.shape[-1]:
+        chunk[:, real:] = float("-inf")  # padded vocabulary columns never count
+    return chunk
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, start: int, real: int, reduce_max: Reduce, reduce_sum: Reduce):
+        flat = logits.reshape(-1, logits.shape[-1])
+        local = (labels - start).reshape(-1)
+        mine = (local >= 0) & (local < real)  # the target column lives in this vocabulary slice
+        local = local.masked_fill(~mine, 0)
+        lse = torch.empty(flat.shape[0], dtype=at_least_fp32(flat[:0]).dtype, device=logits.device)
+        target = torch.empty_like(lse)
+        for rows in _row_chunks(flat.shape[0], flat.shape[1]):
+            chunk = _fp32_rows(flat, rows, real)
+            target[rows] = chunk.gather(-1, local[rows].unsqueeze(-1)).squeeze(-1)
+            peak = chunk.amax(-1)
+            lse[rows] = peak + chunk.sub_(peak.unsqueeze(-1)).exp_().sum(-1).log()
+        target.masked_fill_(~mine, 0.0)
+        if reduce_max is not None:  # combine the slices' log-sum-exps: lse = m + log sum_r exp(lse_r - m)
+            top = reduce_max(lse.clone())
+            lse = top + reduce_sum((lse - top).exp()).log()
+            target = reduce_sum(target)
+        ctx.save_for_backward(logits, lse, local, mine)
+        ctx.real = real
+        return (lse - target).view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, lse, local, mine = ctx.saved_tensors
+        flat = logits.reshape(-1, logits.shape[-1])
+        grad = torch.empty_like(flat)
+        scale = at_least_fp32(grad_loss.reshape(-1))
+        for rows in _row_chunks(flat.shape[0], flat.shape[1]):
+            softmax = _fp32_rows(flat, rows, ctx.real).sub_(lse[rows].unsqueeze(-1)).exp_()
+            softmax.scatter_add_(-1, local[rows].unsqueeze(-1), -mine[rows].unsqueeze(-1).to(softmax.dtype))
+            grad[rows] = softmax.mul_(scale[rows].unsqueeze(-1))
+        return grad.view_as(logits), None, None, None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    start: int = 0,
+    real: Optional[int] = None,
+    reduce_max: Reduce = None,
+    reduce_sum: Reduce = None,
+) -> torch.Tensor:
+    """Per-token fp32 loss of `logits` [..., V] (columns start .. start + V of the vocabulary, the first `real` of
+    them real); with reduce_max / reduce_sum (in-place all-reduces over the vocabulary slices) vocab-parallel."""
+    real = logits.shape[-1] if real is None else real
+    return _CrossEntropy.apply(logits, labels, start, real, reduce_max, reduce_sum)
