@@ -35,8 +35,13 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, base: float):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.head_dim, self.max_positions, self.base = head_dim, max_positions, base
+        self.reset_buffers(None)
+
+    def reset_buffers(self, device) -> None:
+        """(Re)compute the tables on `device` (None: the default one; a model built on meta calls it again)."""
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim))
+        angles = torch.outer(torch.arange(self.max_positions, dtype=torch.float64, device=device), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         # Buffers, not parameters: never trained, never checkpointed.
         self.register_buffer("cos", angles.cos().float(), persistent=False)
