@@ -124,9 +124,9 @@ def init_weights(model: nn.Module, seed: int, std: float, num_layers: int) -> No
 
 
 def hollow_like(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of `shape` on `device` whose storage holds 0 bytes (set_ sizes it; resizing to 0 frees it)."""
-    t = torch.empty(0, dtype=dtype, device=device)
-    t.set_(t.untyped_storage(), 0, shape)
+    """A tensor of `shape` on `device` whose storage holds 0 bytes (torch gives no way to skip the allocation:
+    it is released at once - on a CPU the pages were never touched)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
     t.untyped_storage().resize_(0)
     return t
 
@@ -152,7 +152,8 @@ def hollow_parameters(model: nn.Module, device: torch.device) -> None:
                 continue
             if id(p) not in done:
                 new = nn.Parameter(hollow_like(p.shape, p.dtype, device), requires_grad=p.requires_grad)
-                new.__dict__.update(p.__dict__)
+                # Our attributes (shard info, SP marks); not the tensor's own (a FakeTensor keeps its device there).
+                new.__dict__.update({k: v for k, v in p.__dict__.items() if k not in new.__dict__})
                 setattr(new, BUILD_NAME_ATTR, names[id(p)])
                 done[id(p)] = new
             module._parameters[attr] = done[id(p)]

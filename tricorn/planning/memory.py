@@ -226,6 +226,18 @@ class MemoryEstimate:
     activation_bytes_per_layer: float = 0.0
     activation_bytes_other: float = 0.0
     per_stage_total_bytes: list[float] = field(default_factory=list)
+    grad_buffer_bytes: float = 0.0  # of buffer_bytes: transient gradient buckets (``transient_grad_bytes``)
+    param_buffer_bytes: float = 0.0  # of buffer_bytes: ZeRO-3's gathered layers
+
+    def peak_by_kind(self) -> dict[str, float]:
+        """The peak split as `tricorn simulate` measures it: buffers go to what they hold (Buffers)."""
+        kinds = {
+            "params_bytes": self.params_bytes + self.param_buffer_bytes,
+            "grads_bytes": self.grads_bytes + self.grad_buffer_bytes,
+            "master_params_bytes": self.master_params_bytes,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+        }
+        return {"peak_bytes": self.total_bytes, **kinds, "activations_bytes": self.total_bytes - sum(kinds.values())}
 
     @property
     def model_state_bytes(self) -> float:
@@ -244,18 +256,44 @@ class MemoryEstimate:
         return out
 
 
-def _buffers(model: ModelConfig, layout: Layout, stage_params: int) -> float:
+@dataclass(frozen=True)
+class Buffers:
+    """Transient buffers at the peak, by what they hold."""
+
+    pipeline: float = 0.0  # p2p send/recv activations (counted with the activations)
+    gradients: float = 0.0  # DP gradient buckets beyond the persistent gradients (counted with the gradients)
+    parameters: float = 0.0  # ZeRO-3's gathered layers (counted with the parameters)
+
+    @property
+    def total(self) -> float:
+        return self.pipeline + self.gradients + self.parameters
+
+
+def _buffers(model: ModelConfig, layout: Layout, stage_params: int) -> Buffers:
     e = activation_element_bytes(layout.precision)
-    total = 0.0
+    pipeline = 0.0
     if layout.pp > 1:  # a received activation and a gradient to send, per direction
         tokens = model.seq_length // layout.cp * layout.micro_batch
-        total += 2 * e * tokens * model.hidden_size / (layout.tp if layout.sequence_parallel else 1)
+        pipeline = 2 * e * tokens * model.hidden_size / (layout.tp if layout.sequence_parallel else 1)
     p_bytes, g_bytes, _, _ = bytes_per_param(layout.precision, layout.grads_16bit)
-    if layout.dp * layout.cp > 1:
-        total += min(layout.ddp_bucket_elements, stage_params) * g_bytes
+    gathered = 0.0
     if layout.zero_stage >= 3:  # the layer being computed and the prefetched next one, unsharded
-        total += 2 * layer_params_per_rank(model, layout.tp) * p_bytes
-    return total
+        gathered = 2 * layer_params_per_rank(model, layout.tp) * p_bytes
+    return Buffers(pipeline, transient_grad_bytes(layout, stage_params, g_bytes), gathered)
+
+
+def transient_grad_bytes(layout: Layout, stage_params: int, grad_bytes: float) -> float:
+    """Gradient memory at the peak beyond the persistent gradients (``model_state_bytes``' grads), as the code does it.
+
+    Stages 0 and 1 reduce in place in the full-size main_grad buffer: nothing more. ZeRO-2/3
+    (parallel/data_parallel.py) accumulate each microbatch's gradients in full-size bucket buffers that are
+    reduce-scattered into the owned shards only when that microbatch's backward is over, so at the end of a
+    backward every bucket of the stage is alive at once: the stage's full gradients, unsharded. This is the
+    one place to change when buckets are released as soon as their reduce-scatter completes.
+    """
+    if layout.zero_stage < 2 or layout.dp * layout.cp == 1:
+        return 0.0
+    return stage_params * grad_bytes
 
 
 def estimate(
@@ -282,6 +320,7 @@ def estimate(
             dp=shard,
             zero_stage=layout.zero_stage,
         )
+        buffers = _buffers(model, layout, n_params)
         est = MemoryEstimate(
             stage=stage,
             layers_on_stage=n_layers,
@@ -292,7 +331,9 @@ def estimate(
             optimizer_state_bytes=state.optimizer_state,
             activation_bytes=stage_activation_bytes(model, layout, stage, n_layers, profile),
             embedding_logits_bytes=embedding_logits_bytes(model, layout, stage, profile),
-            buffer_bytes=_buffers(model, layout, n_params),
+            buffer_bytes=buffers.total,
+            grad_buffer_bytes=buffers.gradients,
+            param_buffer_bytes=buffers.parameters,
             overhead_bytes=CUDA_OVERHEAD_BYTES if layout.device == "cuda" else 0.0,
             microbatches_in_flight=microbatches_in_flight(layout, stage),
             activation_bytes_per_layer=layout_layer_bytes(model, layout, profile) if n_layers else 0.0,

@@ -41,12 +41,12 @@ FILENAME = "memory_report.json"
 
 def measure(tensors: dict[str, list[torch.Tensor]], device: torch.device) -> dict[str, int]:
     """Storage bytes per category; `tensors` maps 'params'/'grads'/'master_params'/'optimizer_state' to tensors."""
-    seen: set[tuple[str, int]] = set()
+    seen: set[int] = set()
     out = {key: 0 for key in KEYS} | {"host_bytes": 0}
     for key in KEYS:
         for t in tensors.get(key.removesuffix("_bytes"), []):
             storage = t.untyped_storage()
-            where = (t.device.type, storage.data_ptr())
+            where = storage._cdata  # the StorageImpl (fake tensors, used by `tricorn simulate`, have no data pointer)
             if storage.nbytes() == 0 or where in seen:
                 continue
             seen.add(where)
