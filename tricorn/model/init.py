@@ -167,8 +167,9 @@ def cast_parameter(p: nn.Parameter, dtype: torch.dtype) -> None:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, spec: InitSpec) -> None:
-    """Fill every hollow parameter with its initial value, one parameter at a time."""
+def materialize(model: nn.Module, spec: InitSpec, frozen_only: bool = False) -> None:
+    """Fill every hollow parameter (only those without gradients: `frozen_only`) with its initial value, one
+    parameter at a time."""
     for name, p in model.named_parameters():
-        if is_hollow(p):
+        if is_hollow(p) and not (frozen_only and p.requires_grad):
             p.data = spec.value(name, p, p.device).to(p.dtype)

@@ -80,9 +80,9 @@ def build(cfg: Config, state):
         from tricorn.parallel.te import enable_fp8
 
         enable_fp8(chunks, cfg, state.dp_cp_group)
+    for chunk in chunks:  # frozen parameters: the DP buckets of the optimizer materialise the trainable ones
+        materialize(chunk, InitSpec(cfg.training.seed, cfg.model.init_method_std, cfg.model.num_layers), frozen_only=True)
     optimizer = Optimizer(cfg, state, chunks)
-    for chunk in chunks:  # parameters outside the DP buckets (none are trainable)
-        materialize(chunk, InitSpec(cfg.training.seed, cfg.model.init_method_std, cfg.model.num_layers))
     # Counts what iteration 1 saves for backward; write_memory_report reads it after that iteration.
     attach_trainer_probe(chunks, forwards=cfg.num_microbatches * len(chunks))
     forward_backward = PipelineExecutor(cfg, state) if state.pp_size > 1 else forward_backward_no_pipelining
