@@ -226,7 +226,7 @@ class MemoryEstimate:
     activation_bytes_per_layer: float = 0.0
     activation_bytes_other: float = 0.0
     per_stage_total_bytes: list[float] = field(default_factory=list)
-    grad_buffer_bytes: float = 0.0  # of buffer_bytes: transient gradient buckets (``transient_grad_bytes``)
+    grad_buffer_bytes: float = 0.0  # of buffer_bytes: transient gradient buckets (``zero_backward_peak``)
     param_buffer_bytes: float = 0.0  # of buffer_bytes: ZeRO-3's gathered layers
 
     def peak_by_kind(self) -> dict[str, float]:
@@ -269,31 +269,49 @@ class Buffers:
         return self.pipeline + self.gradients + self.parameters
 
 
-def _buffers(model: ModelConfig, layout: Layout, stage_params: int) -> Buffers:
-    e = activation_element_bytes(layout.precision)
-    pipeline = 0.0
-    if layout.pp > 1:  # a received activation and a gradient to send, per direction
-        tokens = model.seq_length // layout.cp * layout.micro_batch
-        pipeline = 2 * e * tokens * model.hidden_size / (layout.tp if layout.sequence_parallel else 1)
-    p_bytes, g_bytes, _, _ = bytes_per_param(layout.precision, layout.grads_16bit)
-    gathered = 0.0
-    if layout.zero_stage >= 3:  # the layer being computed and the prefetched next one, unsharded
-        gathered = 2 * layer_params_per_rank(model, layout.tp) * p_bytes
-    return Buffers(pipeline, transient_grad_bytes(layout, stage_params, g_bytes), gathered)
+def _pipeline_buffer_bytes(model: ModelConfig, layout: Layout) -> float:
+    """A received activation and a gradient to send, per direction (PP only)."""
+    if layout.pp == 1:
+        return 0.0
+    tokens = model.seq_length // layout.cp * layout.micro_batch
+    return 2 * activation_element_bytes(layout.precision) * tokens * model.hidden_size / (layout.tp if layout.sequence_parallel else 1)
 
 
-def transient_grad_bytes(layout: Layout, stage_params: int, grad_bytes: float) -> float:
-    """Gradient memory at the peak beyond the persistent gradients (``model_state_bytes``' grads), as the code does it.
+def _forward_peak_buffers(model: ModelConfig, layout: Layout) -> Buffers:
+    """At the end of the forwards in flight: p2p buffers; ZeRO-3's layer being computed and the prefetched next one."""
+    p_bytes = bytes_per_param(layout.precision)[0]
+    gathered = 2 * layer_params_per_rank(model, layout.tp) * p_bytes if layout.zero_stage >= 3 else 0.0
+    return Buffers(pipeline=_pipeline_buffer_bytes(model, layout), parameters=gathered)
 
-    Stages 0 and 1 reduce in place in the full-size main_grad buffer: nothing more. ZeRO-2/3
-    (parallel/data_parallel.py) accumulate each microbatch's gradients in full-size bucket buffers that are
-    reduce-scattered into the owned shards only when that microbatch's backward is over, so at the end of a
-    backward every bucket of the stage is alive at once: the stage's full gradients, unsharded. This is the
-    one place to change when buckets are released as soon as their reduce-scatter completes.
+
+def zero_backward_peak(
+    model: ModelConfig, layout: Layout, stage: int, n_layers: int, stage_params: int, profile: ActivationProfile
+) -> Optional[tuple[float, Buffers]]:
+    """ZeRO-2/3's other candidate peak, at the backward of the stage's first layer: (activations, buffers); None
+    when gradients are reduced in place (stages 0-1, or a DP x CP group of one).
+
+    What the code does now (parallel/data_parallel.py): each microbatch's gradients accumulate in full-size
+    bucket buffers, reduce-scattered into the owned shards only once that microbatch's backward is over. So
+    when backward reaches the first layer every bucket is alive - the stage's gradients, unsharded - except,
+    under ZeRO-3 on the first stage, the embedding's own bucket, which its gradient allocates later. Alive
+    beside them: that layer's activations (rebuilt under full recompute), the other microbatches in flight,
+    and ZeRO-3's gathered first layer with the prefetched unit before it (the embedding on the first stage).
+    This is the one place to change when buckets are released as soon as their reduce-scatter completes.
     """
     if layout.zero_stage < 2 or layout.dp * layout.cp == 1:
-        return 0.0
-    return stage_params * grad_bytes
+        return None
+    p_bytes, g_bytes, _, _ = bytes_per_param(layout.precision, layout.grads_16bit)
+    layer = layer_params_per_rank(model, layout.tp)
+    embedding = model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size if stage == 0 else 0
+    pending = embedding if layout.zero_stage >= 3 else 0  # the embedding's bucket, not allocated yet
+    gathered = (layer + (embedding or layer)) * p_bytes if layout.zero_stage >= 3 else 0.0
+    buffers = Buffers(_pipeline_buffer_bytes(model, layout), (stage_params - pending) * g_bytes, gathered)
+    in_flight = microbatches_in_flight(layout, stage)
+    others = (in_flight - 1) * stage_activation_bytes(model, layout, stage, n_layers, profile) / in_flight
+    # The largest backward temporary of the layer: the gradient of the MLP's up projection output.
+    tokens = model.seq_length // layout.cp * layout.micro_batch
+    workspace = activation_element_bytes(layout.precision) * tokens * model.ffn_size * (2 if model.swiglu else 1) / layout.tp
+    return others + layout_layer_bytes(model, layout, profile, recompute=None) + workspace, buffers
 
 
 def estimate(
@@ -320,7 +338,12 @@ def estimate(
             dp=shard,
             zero_stage=layout.zero_stage,
         )
-        buffers = _buffers(model, layout, n_params)
+        activations = stage_activation_bytes(model, layout, stage, n_layers, profile)
+        logits = embedding_logits_bytes(model, layout, stage, profile)
+        buffers = _forward_peak_buffers(model, layout)
+        backward = zero_backward_peak(model, layout, stage, n_layers, n_params, profile)
+        if backward is not None and backward[0] + backward[1].total > activations + logits + buffers.total:
+            (activations, buffers), logits = backward, 0.0
         est = MemoryEstimate(
             stage=stage,
             layers_on_stage=n_layers,
@@ -329,8 +352,8 @@ def estimate(
             grads_bytes=state.grads,
             master_params_bytes=state.master_params,
             optimizer_state_bytes=state.optimizer_state,
-            activation_bytes=stage_activation_bytes(model, layout, stage, n_layers, profile),
-            embedding_logits_bytes=embedding_logits_bytes(model, layout, stage, profile),
+            activation_bytes=activations,
+            embedding_logits_bytes=logits,
             buffer_bytes=buffers.total,
             grad_buffer_bytes=buffers.gradients,
             param_buffer_bytes=buffers.parameters,
