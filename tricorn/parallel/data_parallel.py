@@ -71,12 +71,11 @@ class DPOptions:
 def dp_options(cfg: Config) -> DPOptions:
     """--zero-stage 2/3 implies the distributed optimizer; --zero-stage 1 alone is plain DDP, as in Megatron."""
     p = cfg.parallel
-    distributed = p.use_distributed_optimizer or p.zero_stage >= 2
     return DPOptions(
-        stage=p.zero_stage if distributed else 0,
+        stage=p.zero_stage_in_effect,
         bucket_size=int(p.ddp_bucket_size or 40_000_000),
         overlap_grad_reduce=p.overlap_grad_reduce,
-        overlap_param_gather=p.overlap_param_gather and distributed,
+        overlap_param_gather=p.overlap_param_gather and p.zero_stage_in_effect >= 1,
         grad_dtype=torch.bfloat16 if p.grad_reduce_in_bf16 else torch.float32,
     )
 

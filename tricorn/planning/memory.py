@@ -15,7 +15,9 @@ a second copy on the last stage when PP > 1.
 
 Activations (tricorn/planning/activations.py, whose docstring has the formulas): per layer x layers on the
 stage x microbatches in flight, the embedding / head / loss part, and the transient logits.
-Buffers: pipeline send/recv tensors, one DP gradient bucket, ZeRO-3's gathered layer (and its prefetch).
+Buffers: pipeline send/recv tensors, ZeRO-3's gathered layer (and its prefetch). Stages 0-1 reduce gradients in
+place (no bucket beyond main_grad, whatever --ddp-bucket-size is). ZeRO-2/3 have a second candidate peak at the
+end of backward, when the full-size gradient buckets are alive (``zero_backward_peak``); the larger one counts.
 Overhead: CUDA context, cuBLAS/NCCL workspaces (a fixed ``CUDA_OVERHEAD_BYTES`` on GPU, 0 on CPU).
 
 No collectives, no device work.
@@ -114,7 +116,6 @@ class Layout:
     schedule: str = "1f1b"
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
-    ddp_bucket_elements: int = 40_000_000
     device: str = "cuda"
 
     @property
@@ -137,13 +138,12 @@ class Layout:
             recompute_method=m.recompute_method,
             recompute_num_layers=m.recompute_num_layers,
             recompute_modules=tuple(m.recompute_modules or ()),
-            zero_stage=p.zero_stage if p.use_distributed_optimizer else 0,
+            zero_stage=p.zero_stage_in_effect,  # --zero-stage 2/3 alone is ZeRO-2/3, as the trainer runs it
             precision=cfg.param_dtype_name,
             grads_16bit=p.grad_reduce_in_bf16 and cfg.param_dtype_name != "fp32",
             schedule=p.pipeline_schedule,
             first_stage_layers=p.decoder_first_pipeline_num_layers,
             last_stage_layers=p.decoder_last_pipeline_num_layers,
-            ddp_bucket_elements=p.ddp_bucket_size or 40_000_000,
             device=cfg.device or "cuda",
         )
 
