@@ -45,6 +45,7 @@ from tricorn.config import Config, ConfigError, build_parser
 from tricorn.data.base import Batch
 from tricorn.planning.hardware import GiB
 from tricorn.planning.memory import Layout, estimate
+from tricorn.training.peak import PeakTracker
 
 KEYS = (
     "peak_bytes",
@@ -154,7 +155,6 @@ def measure_rank(cfg: Config, rank: int, iters: int) -> dict:
     from tricorn.training.loop import Trainer
     from tricorn.training.main import build
     from tricorn.training.memory_report import measure
-    from tricorn.training.peak import PeakTracker
 
     with fake_world(rank, cfg.world_size):
         state = init_parallel(cfg)
@@ -170,7 +170,7 @@ def measure_rank(cfg: Config, rank: int, iters: int) -> dict:
             saved = trainer_report_entry()
             for _ in range(iters - 1):
                 trainer.run_iteration()
-    out = {**tracker.report(), "activation_bytes_per_layer": saved.get("activation_bytes_per_layer", 0.0)}
+    out = {**tracker.report(), "activation_bytes_per_layer": saved.get("activation_bytes_per_layer", 0.0), "iterations": iters}
     out["model_state_bytes"] = sum(v for k, v in steady.items() if k != "host_bytes")
     return out
 

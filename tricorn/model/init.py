@@ -151,7 +151,8 @@ def hollow_parameters(model: nn.Module, device: torch.device) -> None:
             if p is None or not p.is_meta:
                 continue
             if id(p) not in done:
-                new = nn.Parameter(hollow_like(p.shape, p.dtype, device), requires_grad=p.requires_grad)
+                new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+                new.untyped_storage().resize_(0)  # after wrapping: a FakeTensor Parameter re-sizes its storage
                 # Our attributes (shard info, SP marks); not the tensor's own (a FakeTensor keeps its device there).
                 new.__dict__.update({k: v for k, v in p.__dict__.items() if k not in new.__dict__})
                 setattr(new, BUILD_NAME_ATTR, names[id(p)])
@@ -163,7 +164,11 @@ def hollow_parameters(model: nn.Module, device: torch.device) -> None:
 
 def cast_parameter(p: nn.Parameter, dtype: torch.dtype) -> None:
     """p in `dtype`; a hollow parameter changes dtype without being materialised."""
-    p.data = hollow_like(p.shape, dtype, p.device) if is_hollow(p) else p.data.to(dtype)
+    if not is_hollow(p):
+        p.data = p.data.to(dtype)
+        return
+    p.data = torch.empty(p.shape, dtype=dtype, device=p.device)
+    p.untyped_storage().resize_(0)
 
 
 @torch.no_grad()

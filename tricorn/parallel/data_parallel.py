@@ -295,6 +295,8 @@ class DataParallel:
                 value = self._value(s.param, names).reshape(-1)
                 b.param_shard[lo - b.lo : hi - b.lo].copy_(value[lo - s.offset : hi - s.offset])
             s.param.data = b.param_flat[s.offset : s.end].view_as(s.param)
+        # No-op on real tensors; a fake tensor's (tricorn simulate) storage grows to fit the views given out.
+        b.param_flat.untyped_storage().resize_(0)
 
     def _allocate_grads(self, device: torch.device) -> None:
         """Full-size gradient buffer (stages 0-1, `main_grad` views) or the owned gradient shards (2-3)."""

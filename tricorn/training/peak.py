@@ -51,6 +51,8 @@ class PeakTracker(TorchDispatchMode):
     # ------------------------------------------------------------ bookkeeping
 
     def _track(self, t: torch.Tensor) -> None:
+        if t.device.type == "meta":  # shapes only (a model being built on meta): no memory
+            return
         st = t.untyped_storage()
         key, nbytes = st._cdata, st.nbytes()
         old = self.live.get(key)
