@@ -12,7 +12,6 @@ from tricorn.planning.estimate import config_for_estimate
 from tricorn.planning.memory import Layout, estimate, estimate_config
 from tricorn.simulate import (
     KEYS,
-    PeakTracker,
     SimulationMode,
     config_for_simulation,
     default_ranks,
@@ -22,6 +21,7 @@ from tricorn.simulate import (
     ratio,
     simulate,
 )
+from tricorn.training.peak import PeakTracker
 
 LLAMA = ["--bf16", "--use-distributed-optimizer", "--sequence-parallel", "--micro-batch-size", "1", "--seq-length", "4096"]
 

@@ -45,7 +45,6 @@ from tricorn.config import Config, ConfigError, build_parser
 from tricorn.data.base import Batch
 from tricorn.planning.hardware import GiB
 from tricorn.planning.memory import Layout, estimate
-from tricorn.training.peak import PeakTracker
 
 KEYS = (
     "peak_bytes",
@@ -154,7 +153,7 @@ def measure_rank(cfg: Config, rank: int, iters: int) -> dict:
     from tricorn.training.activation_probe import trainer_report_entry
     from tricorn.training.loop import Trainer
     from tricorn.training.main import build
-    from tricorn.training.memory_report import measure
+    from tricorn.training.memory_report import iteration_peak, measure
 
     with fake_world(rank, cfg.world_size):
         state = init_parallel(cfg)
@@ -162,15 +161,14 @@ def measure_rank(cfg: Config, rank: int, iters: int) -> dict:
             chunks, optimizer, forward_backward, _ = build(cfg, state)
             loader = SyntheticLoader(cfg, state.dp_size)
             trainer = Trainer(cfg, state, chunks, optimizer, loader, None, None, forward_backward)
-            existing = [t for ts in optimizer.memory_tensors().values() for t in ts]
-            existing += [b for c in chunks for b in c.buffers()]
-            with PeakTracker(optimizer.memory_tensors, existing) as tracker:
+            with iteration_peak(optimizer, chunks, state.device) as peak:
                 trainer.run_iteration()
             steady = measure(optimizer.memory_tensors(), state.device)
             saved = trainer_report_entry()
             for _ in range(iters - 1):
                 trainer.run_iteration()
-    out = {**tracker.report(), "activation_bytes_per_layer": saved.get("activation_bytes_per_layer", 0.0), "iterations": iters}
+    out = {key: peak[key if key == "peak_bytes" else f"peak_{key}"] for key in KEYS if key != "activation_bytes_per_layer"}
+    out |= {"activation_bytes_per_layer": saved.get("activation_bytes_per_layer", 0.0), "iterations": iters}
     out["model_state_bytes"] = sum(v for k, v in steady.items() if k != "host_bytes")
     return out
 

@@ -123,14 +123,6 @@ def init_weights(model: nn.Module, seed: int, std: float, num_layers: int) -> No
 # ---------------------------------------------------------------- building without memory (meta device)
 
 
-def hollow_like(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of `shape` on `device` whose storage holds 0 bytes (torch gives no way to skip the allocation:
-    it is released at once - on a CPU the pages were never touched)."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    t.untyped_storage().resize_(0)
-    return t
-
-
 def is_hollow(t: torch.Tensor) -> bool:
     """A parameter built by `hollow_parameters` and not materialised yet."""
     return t.numel() > 0 and t.untyped_storage().nbytes() == 0

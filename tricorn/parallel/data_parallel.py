@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tricorn.config import Config
-from tricorn.model.init import InitSpec, hollow_like, is_hollow
+from tricorn.model.init import InitSpec, is_hollow
 from tricorn.parallel.grads import is_tied_copy, is_tied_embedding
 from tricorn.parallel.state import ParallelState
 
@@ -288,15 +288,14 @@ class DataParallel:
     def _pack_owned_shard(self, b: Bucket, device: torch.device, names: dict[int, str]) -> None:
         """ZeRO-3 from hollow parameters: the owned shard is filled, the flat buffer stays unallocated."""
         b.param_shard = torch.zeros(b.shard_size, dtype=b.dtype, device=device)
-        b.param_flat = hollow_like((b.numel,), b.dtype, device)
+        b.param_flat = torch.empty(b.numel, dtype=b.dtype, device=device)  # released below, once the views exist
         for s in b.slots:
             lo, hi = b.owned(s)
             if lo < hi:
                 value = self._value(s.param, names).reshape(-1)
                 b.param_shard[lo - b.lo : hi - b.lo].copy_(value[lo - s.offset : hi - s.offset])
             s.param.data = b.param_flat[s.offset : s.end].view_as(s.param)
-        # No-op on real tensors; a fake tensor's (tricorn simulate) storage grows to fit the views given out.
-        b.param_flat.untyped_storage().resize_(0)
+        b.param_flat.untyped_storage().resize_(0)  # (views of 0 bytes cannot be made: torch checks the storage size)
 
     def _allocate_grads(self, device: torch.device) -> None:
         """Full-size gradient buffer (stages 0-1, `main_grad` views) or the owned gradient shards (2-3)."""

@@ -19,7 +19,8 @@ Around each unit:
 Build: with a model built hollow (on meta, model/init.py) DataParallel fills only
 each unit's owned shard from the initial values, one parameter at a time, so a
 rank never holds more than its shard plus the parameter being drawn (and the
-unit's flat buffer, allocated once and released at once to give it storage).
+unit's flat buffer, allocated once and released as soon as the parameters are
+views of it: torch makes no view of a storage smaller than the view).
 
 A recomputed forward inside backward (activation checkpointing) neither frees
 nor prefetches. With tied embeddings on one stage the embedding's weight is

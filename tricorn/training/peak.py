@@ -127,6 +127,3 @@ class PeakTracker(TorchDispatchMode):
         if self._unrecorded_peak:
             self._record_peak()
         super().__exit__(*exc)
-
-    def report(self) -> dict[str, int]:
-        return {"peak_bytes": self.peak_bytes} | self.peak_by_kind
