@@ -17,7 +17,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "preprocess": ("tricorn.data.preprocess:main", "jsonl -> Megatron .bin/.idx"),
     "schedule": ("tricorn.parallel.pipeline.cli:main", "print a pipeline schedule grid with its bubble fraction"),
     "estimate": ("tricorn.planning.estimate:main", "per-rank memory estimate for a config"),
-    "simulate": ("tricorn.simulate:main", "run the real build and training at real size on fake tensors; peak memory vs estimate"),
+    "simulate": (
+        "tricorn.simulate:main",
+        "run the real build and training at real size on fake tensors; peak memory vs estimate",
+    ),
     "plan": ("tricorn.planning.planner:main", "rank parallel layouts for a cluster, write sbatch scripts"),
     "tb": ("tricorn.training.tb:main", "start TensorBoard on 127.0.0.1 and print the URL"),
 }

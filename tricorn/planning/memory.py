@@ -274,7 +274,13 @@ def _pipeline_buffer_bytes(model: ModelConfig, layout: Layout) -> float:
     if layout.pp == 1:
         return 0.0
     tokens = model.seq_length // layout.cp * layout.micro_batch
-    return 2 * activation_element_bytes(layout.precision) * tokens * model.hidden_size / (layout.tp if layout.sequence_parallel else 1)
+    return (
+        2
+        * activation_element_bytes(layout.precision)
+        * tokens
+        * model.hidden_size
+        / (layout.tp if layout.sequence_parallel else 1)
+    )
 
 
 def _forward_peak_buffers(model: ModelConfig, layout: Layout) -> Buffers:

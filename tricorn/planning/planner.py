@@ -257,7 +257,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--emit-sbatch", metavar="FILE", help="Write an sbatch script for the top layout.")
     p.add_argument("--time", default="24:00:00", help="Time limit of each job in the sbatch script.")
     p.add_argument("--train-tokens", type=float, default=1e12, help="Tokens to train on (sets --train-iters).")
-    p.add_argument("--verify", action="store_true", help="Simulate the top layout (tricorn simulate) and print measured beside estimated.")
+    p.add_argument(
+        "--verify", action="store_true", help="Simulate the top layout (tricorn simulate) and print measured beside estimated."
+    )
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     return p
 

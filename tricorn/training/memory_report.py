@@ -104,7 +104,9 @@ def _peak_text(entries: list[dict]) -> str:
     if not all("peak_bytes" in e for e in entries):
         return ""
     top = max(entries, key=lambda e: e["peak_bytes"])
-    kinds = ", ".join(f"{k} {_mib(top[f'peak_{k}_bytes'])}" for k in ("params", "grads", "master_params", "optimizer_state", "activations"))
+    kinds = ", ".join(
+        f"{k} {_mib(top[f'peak_{k}_bytes'])}" for k in ("params", "grads", "master_params", "optimizer_state", "activations")
+    )
     return f" | iteration-1 peak {_mib(top['peak_bytes'])} on rank {top['rank']} ({kinds})"
 
 
