@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from tricorn.planning.estimate import config_for_estimate
-from tricorn.planning.memory import Layout, estimate, estimate_config
+from tricorn.planning.memory import Layout, estimate, estimate_config, layer_params_per_rank
 from tricorn.simulate import (
     KEYS,
     SimulationMode,
@@ -87,7 +87,7 @@ def test_zero3_70b_builds_only_the_local_shard():
             held = tracker.total
     est = estimate_config(cfg)
     shard_state = est.model_state_bytes  # params 1/64, grads 1/64, master, Adam
-    unit = 2 * est.param_buffer_bytes / 2  # one gathered unit (a layer) in bf16 (the estimate counts two)
+    unit = 2 * layer_params_per_rank(cfg.model)  # one ZeRO-3 unit (a layer) in bf16: its flat buffer, briefly
     largest_fp32 = 4 * cfg.model.padded_vocab_size(1) * cfg.model.hidden_size  # the embedding, drawn whole
     assert held == pytest.approx(shard_state, rel=1e-3)
     assert tracker.peak_bytes <= shard_state + max(unit, 2 * largest_fp32)

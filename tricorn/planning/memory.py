@@ -283,10 +283,12 @@ def _pipeline_buffer_bytes(model: ModelConfig, layout: Layout) -> float:
     )
 
 
-def _forward_peak_buffers(model: ModelConfig, layout: Layout) -> Buffers:
-    """At the end of the forwards in flight: p2p buffers; ZeRO-3's layer being computed and the prefetched next one."""
-    p_bytes = bytes_per_param(layout.precision)[0]
-    gathered = 2 * layer_params_per_rank(model, layout.tp) * p_bytes if layout.zero_stage >= 3 else 0.0
+def _forward_peak_buffers(model: ModelConfig, layout: Layout, stage: int) -> Buffers:
+    """At the end of the forwards in flight: p2p buffers; ZeRO-3's gathered units - none on the last stage, whose
+    peak is the loss over the logits after the head has been freed, elsewhere a layer and the prefetched next one."""
+    gathered = 0.0
+    if layout.zero_stage >= 3 and stage != layout.pp - 1:
+        gathered = 2 * layer_params_per_rank(model, layout.tp) * bytes_per_param(layout.precision)[0]
     return Buffers(pipeline=_pipeline_buffer_bytes(model, layout), parameters=gathered)
 
 
@@ -346,7 +348,7 @@ def estimate(
         )
         activations = stage_activation_bytes(model, layout, stage, n_layers, profile)
         logits = embedding_logits_bytes(model, layout, stage, profile)
-        buffers = _forward_peak_buffers(model, layout)
+        buffers = _forward_peak_buffers(model, layout, stage)
         backward = zero_backward_peak(model, layout, stage, n_layers, n_params, profile)
         if backward is not None and backward[0] + backward[1].total > activations + logits + buffers.total:
             (activations, buffers), logits = backward, 0.0
