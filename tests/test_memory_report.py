@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from distopt_common import DIST, MBS1, reference_extra, reference_tb
-from harness import BASE_FLAGS, assert_equivalent
+from harness import BASE_FLAGS, assert_equivalent, run_layout, with_flag
 
 from tricorn.config import config_from_args
 from tricorn.training.memory_report import KEYS, measure, report_path
@@ -72,3 +72,15 @@ def test_zero3_shards_parameters_too(tmp_path, tmp_path_factory):
         for key in ("params_bytes", "grads_bytes", "optimizer_state_bytes"):
             # Byte counts: each DP shard is padded to equal size, under 1% here.
             assert e[key] == pytest.approx(one[key] / 2, rel=0.01), key
+
+
+def test_iteration_one_peak_by_kind(tmp_path):
+    """The peak of iteration 1 sits beside the steady state: at least the model state, split into the same kinds."""
+    run = run_layout(with_flag(MBS1, "--train-iters", "2") + ["--tensorboard-dir", str(tmp_path / "tb")], 1, tmp_path)
+    assert "iteration-1 peak" in run.stdout
+    (one,) = _report(tmp_path / "tb", 1)
+    kinds = ("params", "grads", "master_params", "optimizer_state")
+    assert one["peak_bytes"] == sum(one[f"peak_{k}_bytes"] for k in (*kinds, "activations"))
+    for k in kinds:  # no ZeRO here: the model state is alive throughout, as after the iteration
+        assert one[f"peak_{k}_bytes"] == one[f"{k}_bytes"]
+    assert one["peak_activations_bytes"] > one["activation_bytes_per_layer"] > 0

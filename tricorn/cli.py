@@ -17,6 +17,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "preprocess": ("tricorn.data.preprocess:main", "jsonl -> Megatron .bin/.idx"),
     "schedule": ("tricorn.parallel.pipeline.cli:main", "print a pipeline schedule grid with its bubble fraction"),
     "estimate": ("tricorn.planning.estimate:main", "per-rank memory estimate for a config"),
+    "simulate": (
+        "tricorn.simulate:main",
+        "run the real build and training at real size on fake tensors; peak memory vs estimate",
+    ),
     "plan": ("tricorn.planning.planner:main", "rank parallel layouts for a cluster, write sbatch scripts"),
     "import-hf": ("tricorn.training.hf_convert:import_main", "Hugging Face Llama (safetensors) -> tricorn checkpoint"),
     "export-hf": ("tricorn.training.hf_convert:export_main", "tricorn checkpoint (any layout) -> Hugging Face Llama"),

@@ -146,6 +146,12 @@ class ParallelConfig:
     optimizer_cpu_offload: bool = _f(False, "Keep master weights and optimizer state on CPU and step there.")
     distributed_timeout_minutes: int = _f(10, "Timeout of collectives; a dead peer becomes an error.", bound=AT_LEAST_1)
 
+    @property
+    def zero_stage_in_effect(self) -> int:
+        """0 (DDP) to 3. --zero-stage 2/3 implies the distributed optimizer; --zero-stage 1 alone is plain DDP."""
+        distributed = self.use_distributed_optimizer or self.zero_stage >= 2
+        return self.zero_stage if distributed else 0
+
 
 @dataclass
 class TrainingConfig:

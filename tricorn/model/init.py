@@ -9,6 +9,13 @@ itself never knows how it is split.
 
 Cost: each rank draws the full tensor of each of its parameters once, one at a
 time (transient memory: the largest single weight). No collectives.
+
+Building without memory: the trainer builds the model under the meta device,
+turns the parameters into *hollow* ones (right shape, dtype and device, 0-byte
+storage; `hollow_parameters`), and lets the owner of their storage materialise
+them with `InitSpec.value`: the DP buckets write each value into the flat
+buffer, and under ZeRO-3 only the rank's owned shard is ever kept. The values
+are the same as `init_weights` gives, at any layout.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class ShardInfo:
 
 SHARD_ATTR = "tricorn_shard"
 INIT_KEY_ATTR = "tricorn_init_key"  # a parameter that must equal another one (tied head copy)
+BUILD_NAME_ATTR = "tricorn_build_name"  # a hollow parameter's name in its model (wrappers may rename it later)
 
 
 def shard_info(p: torch.Tensor) -> Optional[ShardInfo]:
@@ -76,19 +84,89 @@ def full_value(name: str, shape: tuple[int, ...], std: float, seed: int, device:
     return torch.empty(shape, device=device, dtype=torch.float32).normal_(0.0, std, generator=gen)
 
 
-@torch.no_grad()
-def init_weights(model: nn.Module, seed: int, std: float, num_layers: int) -> None:
-    for name, p in model.named_parameters():
-        key = getattr(p, INIT_KEY_ATTR, name)
-        p_std = _std_for(key, std, num_layers)
+@dataclass(frozen=True)
+class InitSpec:
+    """What decides every initial value besides a parameter's global name and shape."""
+
+    seed: int
+    std: float
+    num_layers: int
+
+    def key(self, name: str, p: torch.Tensor) -> str:
+        """The global name p's value is drawn from (a tied head copy draws the embedding's)."""
+        return getattr(p, INIT_KEY_ATTR, getattr(p, BUILD_NAME_ATTR, name))
+
+    @torch.no_grad()
+    def value(self, name: str, p: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """This rank's fp32 piece of p (padding rows zero): the full tensor is drawn, then sliced."""
+        key = self.key(name, p)
+        p_std = _std_for(key, self.std, self.num_layers)
         if p_std is None:
-            p.fill_(0.0 if key.endswith("bias") else 1.0)
-            continue
-        full = full_value(key, global_shape(p), p_std, seed, p.device)
+            return torch.full(tuple(p.shape), 0.0 if key.endswith("bias") else 1.0, device=device)
+        full = full_value(key, global_shape(p), p_std, self.seed, device)
         info = shard_info(p)
         if info is None:
-            p.copy_(full)
-            continue
+            return full
         start, count = info.real_range()
-        p.zero_()
-        p.narrow(info.dim, 0, count).copy_(full.narrow(info.dim, start, count))
+        local = torch.zeros(tuple(p.shape), device=device)
+        local.narrow(info.dim, 0, count).copy_(full.narrow(info.dim, start, count))
+        return local
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, std: float, num_layers: int) -> None:
+    spec = InitSpec(seed, std, num_layers)
+    for name, p in model.named_parameters():
+        p.copy_(spec.value(name, p, p.device))
+
+
+# ---------------------------------------------------------------- building without memory (meta device)
+
+
+def is_hollow(t: torch.Tensor) -> bool:
+    """A parameter built by `hollow_parameters` and not materialised yet."""
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
+def hollow_parameters(model: nn.Module, device: torch.device) -> None:
+    """Turn the meta parameters of a model built under ``torch.device("meta")`` into hollow ones on `device`.
+
+    The Parameter objects are replaced (meta tensors cannot change device in place), keeping their attributes,
+    and each records its global name, so it can be materialised later by whoever owns its storage (the DP
+    buckets: only this rank's shard under ZeRO-3) - call this before anything else holds the parameters.
+    Meta buffers are rebuilt on `device` by their module's ``reset_buffers(device)``.
+    """
+    done: dict[int, nn.Parameter] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for module in model.modules():
+        for attr, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in done:
+                new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+                new.untyped_storage().resize_(0)  # after wrapping: a FakeTensor Parameter re-sizes its storage
+                # Our attributes (shard info, SP marks); not the tensor's own (a FakeTensor keeps its device there).
+                new.__dict__.update({k: v for k, v in p.__dict__.items() if k not in new.__dict__})
+                setattr(new, BUILD_NAME_ATTR, names[id(p)])
+                done[id(p)] = new
+            module._parameters[attr] = done[id(p)]
+        if any(b is not None and b.is_meta for b in module._buffers.values()):
+            module.reset_buffers(device)
+
+
+def cast_parameter(p: nn.Parameter, dtype: torch.dtype) -> None:
+    """p in `dtype`; a hollow parameter changes dtype without being materialised."""
+    if not is_hollow(p):
+        p.data = p.data.to(dtype)
+        return
+    p.data = torch.empty(p.shape, dtype=dtype, device=p.device)
+    p.untyped_storage().resize_(0)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, spec: InitSpec, frozen_only: bool = False) -> None:
+    """Fill every hollow parameter (only those without gradients: `frozen_only`) with its initial value, one
+    parameter at a time."""
+    for name, p in model.named_parameters():
+        if is_hollow(p) and not (frozen_only and p.requires_grad):
+            p.data = spec.value(name, p, p.device).to(p.dtype)

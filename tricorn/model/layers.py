@@ -82,12 +82,19 @@ class Rotary(nn.Module):
         scaling: Optional[RopeScaling] = None,
     ):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, base, angles_dtype, scaling)
-        angles = torch.outer(torch.arange(max_positions, dtype=angles_dtype), inv_freq)
+        self.head_dim, self.max_positions, self.base = head_dim, max_positions, base
+        self.angles_dtype, self.scaling = angles_dtype, scaling
+        self.reset_buffers(None)
+
+    def reset_buffers(self, device) -> None:
+        """(Re)compute the tables on `device` (None: the default one; a model built on meta calls it again).
+        Computed on the CPU and moved: the same bits on every device."""
+        inv_freq = rope_inv_freq(self.head_dim, self.base, self.angles_dtype, self.scaling)
+        angles = torch.outer(torch.arange(self.max_positions, dtype=self.angles_dtype), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         # Buffers, not parameters: never trained, never checkpointed.
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.register_buffer("cos", angles.cos().float().to(device), persistent=False)
+        self.register_buffer("sin", angles.sin().float().to(device), persistent=False)
 
     def rows(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows [s, 1, d] for activations [b, s, heads, d] of `dtype`."""

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tricorn.config import Config
+from tricorn.model.init import InitSpec, is_hollow
 from tricorn.parallel.grads import is_tied_copy, is_tied_embedding
 from tricorn.parallel.state import ParallelState
 
@@ -80,12 +81,11 @@ class DPOptions:
 def dp_options(cfg: Config) -> DPOptions:
     """--zero-stage 2/3 implies the distributed optimizer; --zero-stage 1 alone is plain DDP, as in Megatron."""
     p = cfg.parallel
-    distributed = p.use_distributed_optimizer or p.zero_stage >= 2
     return DPOptions(
-        stage=p.zero_stage if distributed else 0,
+        stage=p.zero_stage_in_effect,
         bucket_size=int(p.ddp_bucket_size or 40_000_000),
         overlap_grad_reduce=p.overlap_grad_reduce,
-        overlap_param_gather=p.overlap_param_gather and distributed,
+        overlap_param_gather=p.overlap_param_gather and p.zero_stage_in_effect >= 1,
         grad_dtype=torch.bfloat16 if p.grad_reduce_in_bf16 else torch.float32,
     )
 
@@ -219,7 +219,12 @@ class DataParallel:
     """The gradient (and parameter) buffers of one model chunk and their DP x CP collectives."""
 
     def __init__(
-        self, module: nn.Module, state: ParallelState, opts: DPOptions, units: Optional[list[list[nn.Parameter]]] = None
+        self,
+        module: nn.Module,
+        state: ParallelState,
+        opts: DPOptions,
+        units: Optional[list[list[nn.Parameter]]] = None,
+        init: Optional[InitSpec] = None,  # materialises hollow parameters (model/init.py)
     ):
         self.module = module
         self.opts = opts
@@ -238,7 +243,8 @@ class DataParallel:
         self.slot_of: dict[int, tuple[Bucket, Slot]] = {id(s.param): (b, s) for b in self.buckets for s in b.slots}
         if len(self.slot_of) != sum(len(b.slots) for b in self.buckets) or len(self.slot_of) != len(params):
             raise ValueError("every trainable parameter must sit in exactly one bucket (a parameter shared by two ZeRO-3 units?)")
-        self._pack_params(state.device)
+        self.init = init
+        self._pack_params(state.device, {id(p): n for n, p in named})
         self._allocate_grads(state.device)
         for b in self.buckets:
             b.arm()
@@ -256,23 +262,51 @@ class DataParallel:
 
     # ------------------------------------------------------------ construction
 
-    def _pack_params(self, device: torch.device) -> None:
-        """Move every parameter into its bucket's flat storage (one buffer per dtype; per bucket for ZeRO-3)."""
+    def _pack_params(self, device: torch.device, names: dict[int, str]) -> None:
+        """Move every parameter into its bucket's flat storage (one buffer per dtype; per bucket for ZeRO-3).
+
+        Hollow parameters (built on meta, model/init.py) are materialised here from ``self.init``, one at a
+        time; under ZeRO-3 only the owned shard of their bucket is ever allocated (``param_shard``).
+        """
         if self.opts.stage == 3:
-            flats = [torch.zeros(b.numel, dtype=b.dtype, device=device) for b in self.buckets]
-        else:
-            flats = [None] * len(self.buckets)
-            for dtype in {b.dtype for b in self.buckets}:
-                mine = [i for i, b in enumerate(self.buckets) if b.dtype == dtype]
-                for i, view in zip(mine, _contiguous([self.buckets[i].numel for i in mine], dtype, device)):
-                    flats[i] = view
-        with torch.no_grad():
-            for b, flat in zip(self.buckets, flats):
-                b.param_flat = flat
-                for s in b.slots:
-                    view = flat[s.offset : s.end].view_as(s.param)
-                    view.copy_(s.param)
-                    s.param.data = view
+            for b in self.buckets:
+                if any(is_hollow(s.param) for s in b.slots):
+                    self._pack_owned_shard(b, device, names)
+                else:
+                    self._pack_bucket(b, torch.zeros(b.numel, dtype=b.dtype, device=device), names)
+            return
+        for dtype in {b.dtype for b in self.buckets}:
+            mine = [b for b in self.buckets if b.dtype == dtype]
+            for b, view in zip(mine, _contiguous([b.numel for b in mine], dtype, device)):
+                self._pack_bucket(b, view, names)
+
+    def _value(self, p: nn.Parameter, names: dict[int, str]) -> torch.Tensor:
+        if not is_hollow(p):
+            return p.detach()
+        if self.init is None:
+            raise ValueError("hollow parameters (a model built on meta) need DataParallel(init=InitSpec)")
+        return self.init.value(names[id(p)], p, p.device)
+
+    @torch.no_grad()
+    def _pack_bucket(self, b: Bucket, flat: torch.Tensor, names: dict[int, str]) -> None:
+        b.param_flat = flat
+        for s in b.slots:
+            view = flat[s.offset : s.end].view_as(s.param)
+            view.copy_(self._value(s.param, names))
+            s.param.data = view
+
+    @torch.no_grad()
+    def _pack_owned_shard(self, b: Bucket, device: torch.device, names: dict[int, str]) -> None:
+        """ZeRO-3 from hollow parameters: the owned shard is filled, the flat buffer stays unallocated."""
+        b.param_shard = torch.zeros(b.shard_size, dtype=b.dtype, device=device)
+        b.param_flat = torch.empty(b.numel, dtype=b.dtype, device=device)  # released below, once the views exist
+        for s in b.slots:
+            lo, hi = b.owned(s)
+            if lo < hi:
+                value = self._value(s.param, names).reshape(-1)
+                b.param_shard[lo - b.lo : hi - b.lo].copy_(value[lo - s.offset : hi - s.offset])
+            s.param.data = b.param_flat[s.offset : s.end].view_as(s.param)
+        b.param_flat.untyped_storage().resize_(0)  # (views of 0 bytes cannot be made: torch checks the storage size)
 
     def _allocate_grads(self, device: torch.device) -> None:
         """Full-size gradient buffer (stages 0-1, `main_grad` views) or the owned gradient shards (2-3)."""

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tricorn.config import Config
+from tricorn.model.init import InitSpec
 from tricorn.parallel.data_parallel import DataParallel, dp_options
 from tricorn.parallel.grads import clip_grads, global_grad_norm, reduce_sequence_parallel_grads, reduce_tied_embedding_grads
 from tricorn.parallel.loss_scaler import build_loss_scaler
@@ -86,9 +87,10 @@ class Optimizer:
         shard_params = self.opts.stage == 3 and dist.get_world_size(state.dp_cp_group) > 1
         self.data_parallel: list[DataParallel] = []
         self.sharders: list[Optional[ParamSharder]] = []
+        init = InitSpec(cfg.training.seed, cfg.model.init_method_std, cfg.model.num_layers)  # for hollow parameters
         for m in modules:
             units = zero3_units(m) if shard_params else None
-            dp = DataParallel(m, state, self.opts, [unit_params(u, u is m) for u in units] if units else None)
+            dp = DataParallel(m, state, self.opts, [unit_params(u, u is m) for u in units] if units else None, init)
             self.data_parallel.append(dp)
             self.sharders.append(ParamSharder(m, units, dp) if units else None)
         self.params = [p for m in modules for p in m.parameters() if p.requires_grad]

@@ -16,6 +16,12 @@ Around each unit:
   gradients ready    (all of the unit's gradients accumulated) free it; the gradients are
                      reduce-scattered into the owned shard by data_parallel.py
 
+Build: with a model built hollow (on meta, model/init.py) DataParallel fills only
+each unit's owned shard from the initial values, one parameter at a time, so a
+rank never holds more than its shard plus the parameter being drawn (and the
+unit's flat buffer, allocated once and released as soon as the parameters are
+views of it: torch makes no view of a storage smaller than the view).
+
 A recomputed forward inside backward (activation checkpointing) neither frees
 nor prefetches. With tied embeddings on one stage the embedding's weight is
 also read by the head, so that unit stays gathered from its forward until its
@@ -83,8 +89,9 @@ class ParamSharder:
         self.units = [Unit(m, b, i, kept=m is kept_module) for i, (m, b) in enumerate(zip(modules, buckets))]
         self._unit_of_bucket = {id(u.bucket): u for u in self.units}
         for u in self.units:
-            u.bucket.param_shard = u.bucket.param_flat[u.bucket.lo : u.bucket.hi].clone()
-            _free_storage(u.bucket.param_flat)
+            if u.bucket.param_shard is None:  # built from full parameters: keep the owned part, free the rest
+                u.bucket.param_shard = u.bucket.param_flat[u.bucket.lo : u.bucket.hi].clone()
+                _free_storage(u.bucket.param_flat)
             u.module.register_forward_pre_hook(self._pre_forward_hook(u))
             u.module.register_forward_hook(self._post_forward_hook(u))
         dp.on_bucket_ready = self._on_grads_ready

@@ -20,6 +20,9 @@ in the compute dtype, and sharded over the sequence (SP) or the tensor dimension
     attention_output  e / t                           SDPA's output is the out projection's input
     attention_core    4a / (h t)                      flash / memory-efficient SDPA: fp32 log-sum-exp per head and
                                                       token; no s x s tensor is stored
+    (CP over c ranks) qkv: e(1 + 2cr) / t            q (RoPE'd) and the all-gathered K and V instead of the local
+                      attention_core + e c s / h      k and v; the [s, c s] mask, cast to the activation dtype, on
+                                                      every TP rank
     mlp               3e f/(h t) SwiGLU               gate|up (2f, lean.swiglu) and its output (f, w2's input)
                       2e f/(h t) GeLU                 w1 output, gelu output
     rope_tables       2esd in all: the cos and sin rows (compute dtype), not per sample, not split by TP
@@ -188,9 +191,10 @@ def layer_activation_terms(
     precision: str = "bf16",
     profile: ActivationProfile = TRICORN,
     device: str = "cuda",
+    cp: int = 1,
 ) -> LayerActivationTerms:
     """Bytes one layer keeps for backward for one microbatch of ``micro_batch`` x ``seq`` tokens on one rank, by
-    term (the module docstring's table); ``seq`` is the rank's sequence length, after CP."""
+    term (the module docstring's table); ``seq`` is the rank's sequence length, after CP over ``cp`` ranks."""
     s, b, h, e = seq, micro_batch, model.hidden_size, activation_element_bytes(precision)
     a, d, gd, f = model.num_attention_heads, model.head_dim, model.kv_heads * model.head_dim, model.ffn_size
     sbh = s * b * h
@@ -206,9 +210,13 @@ def layer_activation_terms(
         core = 0.0
     elif profile.uses_flash(model.attention_dropout):
         core = 4.0 * a * s * b
+        if cp > 1:  # SDPA keeps the all-gathered K and V instead of the local k and v, and its [s, cp s] mask
+            qkv = e * s * b * h + 2 * e * cp * s * b * gd
+            core += e * s * cp * s * tp  # in the activation dtype, whole on every TP rank (/ t below)
     elif profile.flash:  # our explicit attention with layout-independent dropout (tricorn/model/dropout.py)
-        qkv = 3 * e * sbh  # q, and k, v expanded to a heads, as fresh copies for the matmuls
-        core = (4 + 1 + e) * a * s * s * b + s * s  # fp32 softmax output, bool keep mask, dropped probs; causal mask
+        qkv = (1 + 2 * cp) * e * sbh  # q, and the (all-gathered under CP) k, v expanded to a heads: fresh copies
+        # fp32 softmax output, bool keep mask, dropped probabilities over the cp*s keys; the causal mask
+        core = (4 + 1 + e) * a * s * cp * s * b + s * cp * s
     else:  # q, k, v as the math path's matmuls keep them (k, v expanded to a heads) and the s x s tensors
         qkv = 3 * e * sbh
         core = e * a * s * s * b
@@ -270,6 +278,7 @@ def layout_layer_bytes(model: ModelConfig, layout: Layout, profile: ActivationPr
         recompute_modules=layout.recompute_modules,
         precision=layout.precision,
         device=layout.device,
+        cp=layout.cp,
     )
     return layer_activation_bytes(model, **(kw | override), profile=profile)
 

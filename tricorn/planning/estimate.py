@@ -97,7 +97,7 @@ def estimate_record(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> di
             num_microbatches=cfg.num_microbatches,
             sequence_parallel=p.sequence_parallel,
             recompute=cfg.model.recompute_granularity,
-            zero_stage=p.zero_stage if p.use_distributed_optimizer else 0,
+            zero_stage=p.zero_stage_in_effect,
             precision=cfg.param_dtype_name,
             device=cfg.device,
         ),

@@ -15,8 +15,9 @@ a second copy on the last stage when PP > 1.
 
 Activations (tricorn/planning/activations.py, whose docstring has the formulas): per layer x layers on the
 stage x microbatches in flight, the embedding / head / loss part, and the transient logits.
-Buffers: pipeline send/recv tensors, DP gradient buckets (``transient_grad_bytes``), ZeRO-3's gathered layer
-(and its prefetch).
+Buffers: pipeline send/recv tensors, ZeRO-3's gathered layer (and its prefetch). Stages 0-1 reduce gradients in
+place (no bucket beyond main_grad, whatever --ddp-bucket-size is). ZeRO-2/3 have a second candidate peak at the
+first layer's backward, with two full-size gradient buckets alive (``zero_backward_peak``); the larger one counts.
 Overhead: CUDA context, cuBLAS/NCCL workspaces (a fixed ``CUDA_OVERHEAD_BYTES`` on GPU, 0 on CPU).
 
 No collectives, no device work.
@@ -115,12 +116,16 @@ class Layout:
     schedule: str = "1f1b"
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
-    ddp_bucket_elements: int = 40_000_000
     device: str = "cuda"
+    ddp_bucket_elements: Optional[int] = None  # --ddp-bucket-size; None: the config's default, max(40M, 1M x DP)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def bucket_elements(self) -> int:
+        return self.ddp_bucket_elements or max(40_000_000, 1_000_000 * self.dp)
 
     @classmethod
     def from_config(cls, cfg: Config) -> Layout:
@@ -138,14 +143,14 @@ class Layout:
             recompute_method=m.recompute_method,
             recompute_num_layers=m.recompute_num_layers,
             recompute_modules=tuple(m.recompute_modules or ()),
-            zero_stage=p.zero_stage if p.use_distributed_optimizer else 0,
+            zero_stage=p.zero_stage_in_effect,  # --zero-stage 2/3 alone is ZeRO-2/3, as the trainer runs it
             precision=cfg.param_dtype_name,
             grads_16bit=p.grad_reduce_in_bf16 and cfg.param_dtype_name != "fp32",
             schedule=p.pipeline_schedule,
             first_stage_layers=p.decoder_first_pipeline_num_layers,
             last_stage_layers=p.decoder_last_pipeline_num_layers,
-            ddp_bucket_elements=p.ddp_bucket_size or 40_000_000,
             device=cfg.device or "cuda",
+            ddp_bucket_elements=p.ddp_bucket_size,
         )
 
 
@@ -227,6 +232,18 @@ class MemoryEstimate:
     activation_bytes_per_layer: float = 0.0
     activation_bytes_other: float = 0.0
     per_stage_total_bytes: list[float] = field(default_factory=list)
+    grad_buffer_bytes: float = 0.0  # of buffer_bytes: transient gradient buckets (``zero_backward_peak``)
+    param_buffer_bytes: float = 0.0  # of buffer_bytes: ZeRO-3's gathered layers
+
+    def peak_by_kind(self) -> dict[str, float]:
+        """The peak split as `tricorn simulate` measures it: buffers go to what they hold (Buffers)."""
+        kinds = {
+            "params_bytes": self.params_bytes + self.param_buffer_bytes,
+            "grads_bytes": self.grads_bytes + self.grad_buffer_bytes,
+            "master_params_bytes": self.master_params_bytes,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+        }
+        return {"peak_bytes": self.total_bytes, **kinds, "activations_bytes": self.total_bytes - sum(kinds.values())}
 
     @property
     def model_state_bytes(self) -> float:
@@ -245,33 +262,83 @@ class MemoryEstimate:
         return out
 
 
-def transient_grad_bytes(model: ModelConfig, layout: Layout, stage_params: int) -> float:
-    """Gradient buffers beyond the (sharded) gradients of the model state, at the backward's peak.
+@dataclass(frozen=True)
+class Buffers:
+    """Transient buffers at the peak, by what they hold."""
 
-    ZeRO-2/3 (parallel/data_parallel.py): the bucket being filled plus at most one whose reduce-scatter is in
-    flight (MAX_REDUCING = 1), each released when its reduction completes - 2 buckets of --ddp-bucket-size
-    elements, or under ZeRO-3 (one bucket per layer) 2 layers. Stages 0-1 keep the full gradient buffer in the
-    model state; one bucket more is counted for the collective's staging."""
-    if layout.dp * layout.cp == 1:
+    pipeline: float = 0.0  # p2p send/recv activations (counted with the activations)
+    gradients: float = 0.0  # DP gradient buckets beyond the persistent gradients (counted with the gradients)
+    parameters: float = 0.0  # ZeRO-3's gathered layers (counted with the parameters)
+
+    @property
+    def total(self) -> float:
+        return self.pipeline + self.gradients + self.parameters
+
+
+def _pipeline_buffer_bytes(model: ModelConfig, layout: Layout) -> float:
+    """A received activation and a gradient to send, per direction (PP only)."""
+    if layout.pp == 1:
         return 0.0
-    _, g_bytes, _, _ = bytes_per_param(layout.precision, layout.grads_16bit)
-    if layout.zero_stage >= 3:
-        return 2 * layer_params_per_rank(model, layout.tp) * g_bytes
-    buckets = 2 if layout.zero_stage == 2 else 1
-    return buckets * min(layout.ddp_bucket_elements, stage_params) * g_bytes
+    tokens = model.seq_length // layout.cp * layout.micro_batch
+    return (
+        2
+        * activation_element_bytes(layout.precision)
+        * tokens
+        * model.hidden_size
+        / (layout.tp if layout.sequence_parallel else 1)
+    )
 
 
-def _buffers(model: ModelConfig, layout: Layout, stage_params: int) -> float:
-    e = activation_element_bytes(layout.precision)
-    total = 0.0
-    if layout.pp > 1:  # a received activation and a gradient to send, per direction
-        tokens = model.seq_length // layout.cp * layout.micro_batch
-        total += 2 * e * tokens * model.hidden_size / (layout.tp if layout.sequence_parallel else 1)
-    p_bytes, _, _, _ = bytes_per_param(layout.precision, layout.grads_16bit)
-    total += transient_grad_bytes(model, layout, stage_params)
-    if layout.zero_stage >= 3:  # the layer being computed and the prefetched next one, unsharded
-        total += 2 * layer_params_per_rank(model, layout.tp) * p_bytes
-    return total
+def zero_transient_grad_bytes(model: ModelConfig, layout: Layout, stage_params: int) -> float:
+    """ZeRO-2/3's full-size gradient buckets alive at once (parallel/data_parallel.py): each bucket is
+    reduce-scattered as soon as its last gradient arrives and released when that completes, one reduction in
+    flight - so two buckets, the one filling and the one reducing: --ddp-bucket-size elements under ZeRO-2, a
+    layer under ZeRO-3 (one bucket per unit). Stages 0-1 reduce in place: nothing."""
+    if layout.zero_stage < 2 or layout.dp * layout.cp == 1:
+        return 0.0
+    g_bytes = bytes_per_param(layout.precision, layout.grads_16bit)[1]
+    bucket = layer_params_per_rank(model, layout.tp) if layout.zero_stage >= 3 else min(layout.bucket_elements, stage_params)
+    return 2 * bucket * g_bytes
+
+
+def _forward_peak_buffers(model: ModelConfig, layout: Layout, stage: int, stage_params: int) -> Buffers:
+    """At the end of the forwards in flight, as the backward starts: p2p buffers; ZeRO-2/3's first gradient
+    buckets; ZeRO-3's gathered units - none on the last stage, whose peak is the loss over the logits after the
+    head has been freed, elsewhere a layer and the prefetched next one."""
+    gathered = 0.0
+    if layout.zero_stage >= 3 and stage != layout.pp - 1:
+        gathered = 2 * layer_params_per_rank(model, layout.tp) * bytes_per_param(layout.precision)[0]
+    grads = zero_transient_grad_bytes(model, layout, stage_params)
+    return Buffers(pipeline=_pipeline_buffer_bytes(model, layout), gradients=grads, parameters=gathered)
+
+
+def zero_backward_peak(
+    model: ModelConfig, layout: Layout, stage: int, n_layers: int, stage_params: int, profile: ActivationProfile
+) -> Optional[tuple[float, Buffers]]:
+    """ZeRO-2/3's other candidate peak, at the backward of the stage's first layer: (activations, buffers); None
+    when gradients are reduced in place (stages 0-1, or a DP x CP group of one).
+
+    What the code does (parallel/data_parallel.py): each bucket is reduce-scattered as soon as its last gradient
+    arrives and its full-size buffer is released when that completes, with one reduction in flight, so at most
+    two buckets are alive: the one filling and the one reducing - ZeRO-2's buckets of --ddp-bucket-size
+    elements, ZeRO-3's one bucket per layer. Alive beside them at the first layer's backward: that layer's
+    activations (rebuilt under full recompute), the other microbatches in flight, and ZeRO-3's gathered first
+    layer with the prefetched unit before it (the embedding on the first stage).
+    """
+    if layout.zero_stage < 2 or layout.dp * layout.cp == 1:
+        return None
+    p_bytes = bytes_per_param(layout.precision)[0]
+    layer = layer_params_per_rank(model, layout.tp)
+    embedding = model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size if stage == 0 else 0
+    gathered = (layer + (embedding or layer)) * p_bytes if layout.zero_stage >= 3 else 0.0
+    grads = zero_transient_grad_bytes(model, layout, stage_params)
+    buffers = Buffers(_pipeline_buffer_bytes(model, layout), grads, gathered)
+    in_flight = microbatches_in_flight(layout, stage)
+    others = (in_flight - 1) * stage_activation_bytes(model, layout, stage, n_layers, profile) / in_flight
+    # The largest backward temporary of the layer: the gradient of the MLP's up projection output.
+    tokens = model.seq_length // layout.cp * layout.micro_batch
+    workspace = activation_element_bytes(layout.precision) * tokens * model.ffn_size * (2 if model.swiglu else 1) / layout.tp
+    return others + layout_layer_bytes(model, layout, profile, recompute=None) + workspace, buffers
 
 
 def estimate(
@@ -298,6 +365,12 @@ def estimate(
             dp=shard,
             zero_stage=layout.zero_stage,
         )
+        activations = stage_activation_bytes(model, layout, stage, n_layers, profile)
+        logits = embedding_logits_bytes(model, layout, stage, profile)
+        buffers = _forward_peak_buffers(model, layout, stage, n_params)
+        backward = zero_backward_peak(model, layout, stage, n_layers, n_params, profile)
+        if backward is not None and backward[0] + backward[1].total > activations + logits + buffers.total:
+            (activations, buffers), logits = backward, 0.0
         est = MemoryEstimate(
             stage=stage,
             layers_on_stage=n_layers,
@@ -306,9 +379,11 @@ def estimate(
             grads_bytes=state.grads,
             master_params_bytes=state.master_params,
             optimizer_state_bytes=state.optimizer_state,
-            activation_bytes=stage_activation_bytes(model, layout, stage, n_layers, profile),
-            embedding_logits_bytes=embedding_logits_bytes(model, layout, stage, profile),
-            buffer_bytes=_buffers(model, layout, n_params),
+            activation_bytes=activations,
+            embedding_logits_bytes=logits,
+            buffer_bytes=buffers.total,
+            grad_buffer_bytes=buffers.gradients,
+            param_buffer_bytes=buffers.parameters,
             overhead_bytes=CUDA_OVERHEAD_BYTES if layout.device == "cuda" else 0.0,
             microbatches_in_flight=microbatches_in_flight(layout, stage),
             activation_bytes_per_layer=layout_layer_bytes(model, layout, profile) if n_layers else 0.0,

@@ -390,6 +390,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--emit-sbatch", metavar="FILE", help="Write an sbatch script for the top layout.")
     p.add_argument("--time", default="24:00:00", help="Time limit of each job in the sbatch script.")
     p.add_argument("--train-tokens", type=float, default=1e12, help="Tokens to train on (sets --train-iters).")
+    p.add_argument(
+        "--verify", action="store_true", help="Simulate the top layout (tricorn simulate) and print measured beside estimated."
+    )
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -580,7 +583,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.quiet:
         return 0
     if args.json:
-        print(json.dumps([p.to_dict() for p in result.plans], indent=2))
+        plans = [p.to_dict() for p in result.plans]
+        if args.verify:  # the top plan's record gains the simulation's records
+            plans[0]["verify"] = verify(name, model, result.plans[0], args.gpus, gbs, precision)[1]
+        print(json.dumps(plans, indent=2))
         return 0
     print(
         f"{name}: {total_params(model) / 1e9:.2f} B parameters, seq {model.seq_length}, global batch {gbs}, {precision} on "
@@ -596,6 +602,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
     if args.emit_sbatch:
         print(f"wrote {args.emit_sbatch} for layout 1")
+    if args.verify:
+        from tricorn.simulate import format_table
+
+        flags, records = verify(name, model, result.plans[0], args.gpus, gbs, precision)
+        print(
+            f"\nverify layout 1: tricorn simulate {' '.join(flags)} --world-size {args.gpus} (one iteration; estimated "
+            "here for the CPU the simulation runs on - the table above adds the GPU's CUDA context and kernels):\n"
+            + format_table(records)
+        )
     return 0
 
 
@@ -612,3 +627,14 @@ def compare_with_published(run: calibration.Run) -> str:
     if choice.step_time_s <= published.step_time_s:
         return "ok"
     return "tie" if choice.bounds("step_time_s")[0] <= published.bounds("step_time_s")[1] else "worse"
+
+
+def verify(name: str, model: ModelConfig, top: Plan, gpus: int, gbs: int, precision: str) -> tuple[list[str], list[dict]]:
+    """(flags, records): the top layout's real build and one training iteration on fake tensors (tricorn/simulate.py)."""
+    from tricorn.planning import sbatch
+    from tricorn.simulate import config_for_simulation, default_ranks, simulate
+
+    model_args = ["--model-preset", name] if name in _presets() else _model_args(model)
+    flags = [*model_args, "--seq-length", str(model.seq_length), f"--{precision}", *sbatch.layout_args(top.layout, gbs)]
+    cfg = config_for_simulation(flags, gpus)
+    return flags, simulate(cfg, default_ranks(cfg), iters=1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -34,7 +35,7 @@ from tricorn.timers import (
 )
 from tricorn.training.logging import MetricsLogger
 from tricorn.training.lr_schedule import learning_rate
-from tricorn.training.memory_report import write_memory_report
+from tricorn.training.memory_report import iteration_peak, write_memory_report
 
 
 class NaNError(RuntimeError):
@@ -155,11 +156,13 @@ class Trainer:
         t, d = self.cfg.training, self.cfg.data
         first_of_run = True
         while self.iteration < t.train_iters:
-            result = self.run_iteration()
+            report = first_of_run and hasattr(self.optimizer, "memory_tensors")
+            with iteration_peak(self.optimizer, self.chunks, self.state.device) if report else nullcontext({}) as peak:
+                result = self.run_iteration()
             self.unlogged.append(result)
             self.skipped_iterations += int(result.skipped)
-            if first_of_run and hasattr(self.optimizer, "memory_tensors"):
-                write_memory_report(self.cfg, self.state, self.optimizer)
+            if report:
+                write_memory_report(self.cfg, self.state, self.optimizer, peak)
             first_of_run = False
             if self.iteration % self.cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
                 self.log(result)

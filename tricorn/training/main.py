@@ -56,6 +56,7 @@ def _prepare_vocab(cfg: Config) -> list[str]:
 
 def build(cfg: Config, state):
     """Model chunks, optimizer, loaders and the forward/backward function for this rank."""
+    from tricorn.model.init import InitSpec, materialize
     from tricorn.parallel.context import apply_context_parallel
     from tricorn.parallel.optimizer import Optimizer
     from tricorn.parallel.pipeline.build import build_model_chunks
@@ -71,8 +72,10 @@ def build(cfg: Config, state):
         from tricorn.parallel.te import te_spec
 
         spec = te_spec(spec, cfg, state.tp_group, state.device)
-    # One chunk per virtual pipeline stage of this rank (the whole model without PP).
-    chunks = build_model_chunks(cfg, spec, state.pp_rank, state.tp_size, state.device)
+    # One chunk per virtual pipeline stage of this rank (the whole model without PP), built on meta with
+    # hollow parameters that the DP buckets fill (ZeRO-3: only the owned shard). TE/FP8 modules build as before.
+    hollow = cfg.model.transformer_impl != "transformer_engine" and not cfg.training.fp8_format
+    chunks = build_model_chunks(cfg, spec, state.pp_rank, state.tp_size, state.device, hollow=hollow)
     apply_recompute(chunks, cfg.model, tracker)  # --recompute-granularity: checkpoint layers / modules in place
     for chunk in chunks:
         cast_params(chunk, cfg)
@@ -80,6 +83,8 @@ def build(cfg: Config, state):
         from tricorn.parallel.te import enable_fp8
 
         enable_fp8(chunks, cfg, state.dp_cp_group)
+    for chunk in chunks:  # frozen parameters: the DP buckets of the optimizer materialise the trainable ones
+        materialize(chunk, InitSpec(cfg.training.seed, cfg.model.init_method_std, cfg.model.num_layers), frozen_only=True)
     optimizer = Optimizer(cfg, state, chunks)
     # Counts what iteration 1 saves for backward; write_memory_report reads it after that iteration.
     attach_trainer_probe(chunks, forwards=cfg.num_microbatches * len(chunks))
@@ -94,10 +99,12 @@ def cast_params(model, cfg: Config) -> None:
     """
     import torch
 
+    from tricorn.model.init import cast_parameter
+
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.param_dtype_name)
     if dtype is not None:
         for p in model.parameters():
-            p.data = p.data.to(dtype)
+            cast_parameter(p, dtype)
 
 
 def build_loaders(cfg: Config, state):
