@@ -322,15 +322,18 @@ def zero_backward_peak(
     arrives and its full-size buffer is released when that completes, with one reduction in flight, so at most
     two buckets are alive: the one filling and the one reducing - ZeRO-2's buckets of --ddp-bucket-size
     elements, ZeRO-3's one bucket per layer. Alive beside them at the first layer's backward: that layer's
-    activations (rebuilt under full recompute), the other microbatches in flight, and ZeRO-3's gathered first
-    layer with the prefetched unit before it (the embedding on the first stage).
+    activations (rebuilt under full recompute), the other microbatches in flight, and ZeRO-3's gathered layer
+    with the prefetched unit before it (another layer, or the embedding on the first stage).
     """
     if layout.zero_stage < 2 or layout.dp * layout.cp == 1:
         return None
     p_bytes = bytes_per_param(layout.precision)[0]
     layer = layer_params_per_rank(model, layout.tp)
     embedding = model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size if stage == 0 else 0
-    gathered = (layer + (embedding or layer)) * p_bytes if layout.zero_stage >= 3 else 0.0
+    # ZeRO-3 gathers the layer in backward and prefetches the unit before it: a second layer, or on the first
+    # layer of the first stage the embedding - whichever is larger counts (both moments occur).
+    before = max(layer if n_layers >= 2 else 0, embedding) or layer
+    gathered = (layer + before) * p_bytes if layout.zero_stage >= 3 else 0.0
     grads = zero_transient_grad_bytes(model, layout, stage_params)
     buffers = Buffers(_pipeline_buffer_bytes(model, layout), grads, gathered)
     in_flight = microbatches_in_flight(layout, stage)
