@@ -206,6 +206,8 @@ class Checkpointer:
     def save(self, trainer) -> None:
         """Checkpoint the state after `trainer.iteration`; returns once it is written, or staged with --async-save."""
         assert self.root is not None, "save() needs --save"
+        if hasattr(trainer, "check_nan"):
+            trainer.check_nan()  # the device-side NaN flag is read before the state is written, never after
         self.wait()
         start = time.perf_counter()
         it = trainer.iteration
