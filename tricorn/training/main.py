@@ -105,6 +105,14 @@ def build_loaders(cfg: Config, state):
     from tricorn.data.loader import build_loaders as data_loaders
 
     train, valid, _ = data_loaders(cfg, state.dp_rank, state.dp_size)
+    if cfg.data.num_workers > 0:  # worker processes build the next batches (same samples, same order)
+        from tricorn.data.prefetch import PrefetchingBatchLoader
+        from tricorn.parallel.batch_schedule import MicrobatchCalculator
+
+        schedule = MicrobatchCalculator.from_config(cfg)
+        train = PrefetchingBatchLoader(
+            train, cfg.data.num_workers, schedule.global_batch_size_at, pin_memory=state.device.type == "cuda"
+        )
     return train, valid
 
 
@@ -199,6 +207,7 @@ def _train(cfg: Config, state, exits) -> int:
         logger.close()  # joins TensorBoard's writer thread
         if trainer is not None:
             trainer.optimizer.close()
+            getattr(trainer.train_loader, "close", lambda: None)()  # --num-workers: stop the prefetch workers
 
 
 if __name__ == "__main__":
