@@ -77,9 +77,9 @@ def build(cfg: Config, state):
     for chunk in chunks:
         cast_params(chunk, cfg)
     if cfg.training.fp8_format:
-        from tricorn.parallel.te import enable_fp8
+        from tricorn.parallel.te import amax_reduction_group, enable_fp8
 
-        enable_fp8(chunks, cfg, state.dp_cp_group)
+        enable_fp8(chunks, cfg, amax_reduction_group(state.mesh))
     optimizer = Optimizer(cfg, state, chunks)
     # Counts what iteration 1 saves for backward; write_memory_report reads it after that iteration.
     attach_trainer_probe(chunks, forwards=cfg.num_microbatches * len(chunks))
