@@ -15,6 +15,8 @@ Checks (one PASS / FAIL / SKIP line each, then a JSON summary on the last line):
      optimizer and overlapped reductions, each a pretrain_gpt.py run, each equal to 1 GPU within
      BF16_BOUND; the overlap shows as a grads-reduce-wait timer below the forward-backward one.
   e  host reads (tricorn.host_reads): 0 in non-logging iterations, at most 3 in logging ones, on CUDA.
+  f  --async-save staging: pinned buffers filled on a side stream; the host returns before the copies
+     land, and the copies keep the values of the save although the next step rewrites the tensors.
 
 Set-up on a bare machine: `make venv TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"`,
 then `.venv/bin/pip install -e '.[te]'`. Without a CUDA GPU and without --cpu-smoke the script
@@ -233,6 +235,30 @@ def check_host_reads(r: Runner, c: Check, base: dict) -> None:
         c.fail(f"host reads per iteration {reads}")
 
 
+def check_async_staging(r: Runner, c: Check, base: dict) -> None:
+    """--async-save staging (training/staging.py): the host returns before the copies finish, the copies hold
+    the values as of the save even though the step after it rewrites the tensors in place."""
+    from tricorn.training.staging import HostStaging
+
+    n = 1 << (16 if r.smoke else 26)  # 8 x 256 MiB of fp32 on a GPU: long enough to see the copies run async
+    local = {f"t{i}": (torch.randn(n, device=r.device), None) for i in range(8)}
+    expected = {k: t.to("cpu", copy=True) for k, (t, _) in local.items()}
+    staging = HostStaging()
+    start = time.perf_counter()
+    staged = staging.stage(local)
+    c.data["stage_return_ms"] = 1000 * (time.perf_counter() - start)
+    if staged.done is not None:
+        torch.cuda.current_stream().wait_event(staged.done)  # what Trainer.step_fences does before the step
+    for t, _ in local.values():
+        t.add_(1.0)  # the next optimizer step writing in place
+    staged.wait()
+    c.data["copy_done_ms"] = 1000 * (time.perf_counter() - start)
+    if not all(torch.equal(staged.tensors[k][0], v) for k, v in expected.items()):
+        c.fail("a staged copy saw the step after the save")
+    if not r.smoke and not all(buf.is_pinned() for buf, _ in staged.tensors.values()):
+        c.fail("staging buffers are not pinned")
+
+
 def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
 
@@ -243,6 +269,7 @@ CHECKS: dict[str, tuple[str, Callable[[Runner, Check, dict], None]]] = {
     "c": ("memory", check_memory),
     "d": ("layouts", check_layouts),
     "e": ("host-reads", check_host_reads),
+    "f": ("async-save-staging", check_async_staging),
 }
 
 

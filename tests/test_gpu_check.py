@@ -18,12 +18,12 @@ def test_cpu_smoke_passes_every_check():
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
-    assert set(summary["checks"]) == {"speed", "transformer-engine", "memory", "layouts", "host-reads"}
+    assert set(summary["checks"]) == {"speed", "transformer-engine", "memory", "layouts", "host-reads", "async-save-staging"}
     statuses = {name: c["status"] for name, c in summary["checks"].items()}
     # Transformer Engine does not import without a GPU; every other check really runs on the CPU.
     assert statuses.pop("transformer-engine") in ("PASS", "SKIP")
     assert set(statuses.values()) == {"PASS"}, lines
-    assert len([line for line in lines if line.split()[0] in ("PASS", "FAIL", "SKIP")]) == 5
+    assert len([line for line in lines if line.split()[0] in ("PASS", "FAIL", "SKIP")]) == 6
 
 
 def test_refuses_without_a_gpu():

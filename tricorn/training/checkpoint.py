@@ -67,6 +67,7 @@ from tricorn.training import checkpoint_io as io
 from tricorn.training.checkpoint_io import CheckpointError
 from tricorn.training.checksums import file_checksums
 from tricorn.training.lr_schedule import learning_rate
+from tricorn.training.staging import HostStaging, Staged
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -113,6 +114,7 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo", timeout=timeout) if (c.save or c.load) else None
         self.executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.pending: Optional[concurrent.futures.Future] = None
+        self.staging = HostStaging()  # --async-save: pinned host buffers and a side stream on CUDA
         self.last_saved: Optional[int] = None
         self.loaded_iteration = 0
         self._cpu_mesh = None
@@ -216,8 +218,12 @@ class Checkpointer:
         rng = io.encode_rng(self._rng_states())
         with trainer.optimizer.gathered_params():
             local = self._locals(trainer)
-            if self.cfg.checkpoint.async_save:  # the training stall of an async save: one copy to CPU memory
-                local = {k: (t.to("cpu", copy=True), p) for k, (t, p) in local.items()}
+            staged = None
+            if self.cfg.checkpoint.async_save:  # the stall of an async save: queue copies to host memory (staging.py)
+                staged = self.staging.stage(local)
+                local = staged.tensors
+                if staged.done is not None:
+                    trainer.step_fences.append(staged.done)  # the next optimizer step waits for the copies
             tensors = {k: _to_global(t, p, self._tp_mesh(t.device)) for k, (t, p) in local.items()}
             if not self.cfg.checkpoint.async_save:
                 self._write(tensors, meta, rng, tmp, it)
@@ -225,7 +231,7 @@ class Checkpointer:
                 self.stall_seconds.append(time.perf_counter() - start)
                 return
         self.executor = self.executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tricorn-ckpt")
-        self.pending = self.executor.submit(self._write, tensors, meta, rng, tmp, it)
+        self.pending = self.executor.submit(self._write_staged, staged, tensors, meta, rng, tmp, it)
         self.last_saved = it
         self.stall_seconds.append(time.perf_counter() - start)
 
@@ -265,6 +271,10 @@ class Checkpointer:
             io.write_manifest(tmp, checksums)
             self._publish(tmp, iteration)
         dist.barrier(group=self.group)
+
+    def _write_staged(self, staged: Staged, *args) -> None:
+        staged.wait()  # the side-stream copies have landed in the pinned buffers
+        self._write(*args)
 
     def _publish(self, tmp: Path, iteration: int) -> None:
         io.fsync_dir(tmp)

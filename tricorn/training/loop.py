@@ -83,6 +83,7 @@ class Trainer:
     skipped_iterations: int = 0  # optimizer steps skipped for fp16 overflow, this run
     # Called after each iteration (checkpoint.py: save at --save-interval, exit conditions); True stops training.
     on_iteration_end: Optional[Callable[[Trainer], bool]] = None
+    step_fences: list = field(default_factory=list)  # CUDA events the next optimizer step waits for (async save staging)
     _nan_first: Optional[torch.Tensor] = None  # [iteration, loss, grad norm] of the first non-finite iteration (device)
 
     # ------------------------------------------------------------ batches
@@ -125,8 +126,15 @@ class Trainer:
         with self.timers(GRADS_REDUCE_WAIT):
             self.optimizer.finish_grad_sync()
         with self.timers(OPTIMIZER_STEP):
+            self._wait_step_fences()
             info = self.optimizer.step()
         return self._reduce_loss(local_loss), info
+
+    def _wait_step_fences(self) -> None:
+        """The device waits (the host does not) for work that must read the state before the step writes it."""
+        for event in self.step_fences:
+            torch.cuda.current_stream().wait_event(event)
+        self.step_fences.clear()
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
