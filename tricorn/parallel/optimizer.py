@@ -22,7 +22,9 @@ views); then for fp16, unscale and agree on overflow with one all-reduce over
 all ranks (a skipped step leaves parameters and state untouched: fused AdamW's
 found_inf, decided on the device, never read on the host); the global
 norm counts every parameter once (grads.py), summed over DP shards when
-sharded; clip; AdamW; copy back; all-gather the parameters (ZeRO-1/2).
+sharded; clip; AdamW; copy back; all-gather the parameters (ZeRO-1/2), bucket by bucket in the
+order the next forward uses them (with --overlap-param-gather each module's forward pre-hook
+waits only for its own buckets' gathers, as Megatron's).
 
 Test hook: TRICORN_TEST_INJECT_INF_AT_ITER=N (with TRICORN_TEST_INJECT_INF_RANK,
 default 0) writes an inf into one gradient element on that rank during
@@ -98,6 +100,13 @@ class Optimizer:
         self.shards = [
             ShardState(b, cfg.training, offload, fused=self.scaler is not None) for dp in self.data_parallel for b in dp.buckets
         ]
+        # Shards in the order the next forward uses their buckets: chunk by chunk, and within a chunk the buckets
+        # reversed (they are packed in backward order), so the embedding's all-gather is issued first and the
+        # first layer's forward pre-hook (data_parallel.py) waits for that one gather only, not for all of them.
+        starts = [0]
+        for dp in self.data_parallel:
+            starts.append(starts[-1] + len(dp.buckets))
+        self._forward_order = [i for c in range(len(self.data_parallel)) for i in reversed(range(starts[c], starts[c + 1]))]
         self.iteration = 0  # steps taken, skipped ones included
         self._inject_at = int(os.environ.get(INJECT_INF_AT_ITER, "0"))
         self._inject_rank = int(os.environ.get(INJECT_INF_RANK, "0"))
@@ -163,10 +172,10 @@ class Optimizer:
             norm = torch.where(skip, float("nan"), norm)  # a skipped step reports no norm, as Megatron's log does
         clip_grads(self.params, self.cfg.training.clip_grad, norm, grad_fn=grad_fn)
         gather = self.opts.stage in (1, 2)
-        for s, g in zip(self.shards, grads):
-            s.step(g, found_inf=skip)
+        for i in self._forward_order:  # each bucket's gather starts right after its step, first-used bucket first
+            self.shards[i].step(grads[i], found_inf=skip)
             if gather:
-                s.bucket.start_param_gather()
+                self.shards[i].bucket.start_param_gather()
         if not self.opts.overlap_param_gather or self.iteration >= self.cfg.training.train_iters:
             self.finish_param_sync()  # with overlap, the next forward waits; after the last step nothing would
         self._after_step()
