@@ -50,3 +50,18 @@ def test_counter_ignores_host_scalars():
 )
 def test_no_host_reads_outside_logging_iterations(nproc, flags):
     assert run_script(WORKER, nproc, flags, timeout=300).strip().endswith("ok")
+
+
+@pytest.mark.parametrize("interval, detected", [(None, 5), ("1", 2)])
+def test_nan_stops_at_the_next_read(tmp_path, interval, detected):
+    """The NaN record stays on the device: read at log lines (--log-interval 5) and every --nan-check-interval."""
+    from harness import BASE_FLAGS, run_layout, with_flag
+
+    flags = with_flag(with_flag(BASE_FLAGS, "--train-iters", "8"), "--log-interval", "5")
+    flags += ["--nan-check-interval", interval] if interval else []
+    env = {"TRICORN_TEST_INJECT_INF_AT_ITER": "2"}  # an inf gradient in iteration 2 (optimizer.py's test hook)
+    run = run_layout(flags, 1, tmp_path, check=False, env=env)
+    assert run.returncode == 1 and run.records == [], run.stderr[-2000:]
+    line = "tricorn: error: iteration 2: loss "
+    errors = [e for e in run.stderr.splitlines() if e.startswith(line)]
+    assert len(errors) == 1 and f"(detected after iteration {detected};" in errors[0], run.stderr[-2000:]

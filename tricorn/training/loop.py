@@ -192,7 +192,10 @@ class Trainer:
             return
         iteration, loss, norm = self._nan_first.tolist()
         if iteration:
-            raise NaNError(f"iteration {int(iteration)}: loss {loss} / grad norm {norm} is not finite; stopping")
+            raise NaNError(
+                f"iteration {int(iteration)}: loss {loss} / grad norm {norm} is not finite; stopping "
+                f"(detected after iteration {self.iteration}; --nan-check-interval 1 checks every iteration)"
+            )
 
     def materialize(self) -> None:
         """Read the unlogged results' device values into Python numbers with one host read."""
