@@ -150,6 +150,8 @@ def test_sbatch_conventions(name: str) -> None:
         "--exit-signal-handler",
         "--exit-signal SIGUSR1",
         '--tensorboard-dir "$TB_DIR"',
+        '--data-cache-path "$DATA_CACHE_DIR"',  # on shared storage: one rank builds the index cache
+        "DATA_CACHE_DIR=${DATA_CACHE_DIR:-$RUN_DIR/data_cache}",
         "NCCL_IB_HCA",
         'scontrol requeue "$SLURM_JOB_ID"',
     ):

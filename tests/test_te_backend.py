@@ -97,3 +97,23 @@ def test_te_spec_keeps_names_values_and_outputs(fake_te):
 def test_transformer_engine_is_refused_on_cpu_with_one_line():
     errs = validate(config_from_args(FLAGS + ["--transformer-impl", "transformer_engine"], world_size=1))
     assert any("needs --device cuda" in e for e in errs), errs
+
+
+def test_fp8_with_recompute_is_refused_with_one_line():
+    cfg = config_from_args(FLAGS + ["--bf16", "--fp8-format", "hybrid", "--recompute-granularity", "full"], world_size=1)
+    errs = [e for e in validate(cfg) if "recompute" in e]
+    assert len(errs) == 1 and "--fp8-format with --recompute-granularity is not supported" in errs[0], errs
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [(["--tensor-model-parallel-size", "2", "--sequence-parallel"], [0, 1]), (["--pipeline-model-parallel-size", "2"], [0])],
+)
+def test_amax_reduction_group_is_tp_dp_cp_of_one_stage(flags, expected):
+    """TE's recommendation for sequence-parallel layers: TP peers reduce amax together; pipeline stages do not."""
+    from pathlib import Path
+
+    from harness import run_script
+
+    out = run_script(Path(__file__).parent / "workers" / "amax_group.py", 2, flags)
+    assert out.strip().splitlines()[-1] == str(expected)

@@ -185,6 +185,9 @@ class TrainingConfig:
     check_for_nan_in_loss_and_grad: bool = _f(
         True, "Stop when the loss or grad norm is NaN/Inf.", negate="--no-check-for-nan-in-loss-and-grad"
     )
+    nan_check_interval: int = _f(
+        0, "Also read the NaN check every N iterations (one host sync each; 0: at log lines and saves).", bound=NON_NEGATIVE
+    )
     exit_signal_handler: bool = _f(False, "Save and exit 0 when --exit-signal arrives.")
     exit_signal: str = _f("SIGTERM", "Signal caught by --exit-signal-handler.", choices=["SIGTERM", "SIGUSR1", "SIGINT"])
     exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes.", bound=POSITIVE)

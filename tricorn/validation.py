@@ -97,6 +97,11 @@ def validate(cfg: Config) -> list[str]:
         errs.append("--fp8-format needs --bf16 (FP8 GEMMs keep bf16 weights and activations around them)")
     if t.fp8_format and m.transformer_impl != "transformer_engine":
         errs.append("--fp8-format needs --transformer-impl transformer_engine")
+    if t.fp8_format and m.recompute_granularity:
+        errs.append(
+            "--fp8-format with --recompute-granularity is not supported: the recomputed forward would run outside "
+            "FP8 and differ from the forward it replays; drop one of them"
+        )
     if not errs:  # each feature validates its own flags once the basic shape is sound
         errs += validate_pipeline(cfg) + validate_rampup(cfg) + validate_recompute(cfg)
     return errs

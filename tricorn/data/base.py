@@ -32,8 +32,10 @@ class Batch:
         return Batch(self.tokens[start:stop], self.labels[start:stop], self.loss_mask[start:stop], ids)
 
     def to(self, device: torch.device | str, copy: bool = False) -> Batch:
-        """On `device`; with copy=True always fresh storage (a microbatch then never keeps its batch alive)."""
-        return Batch(*(t.to(device, copy=copy) for t in (self.tokens, self.labels, self.loss_mask)), self.sample_ids)
+        """On `device`; with copy=True always fresh storage (a microbatch then never keeps its batch alive).
+        From pinned memory the copy is asynchronous (non_blocking): the host does not wait for it."""
+        tensors = (self.tokens, self.labels, self.loss_mask)
+        return Batch(*(t.to(device, copy=copy, non_blocking=t.is_pinned()) for t in tensors), self.sample_ids)
 
 
 def batch_from_samples(samples: torch.Tensor, pad_id: int = -1, sample_ids: Optional[tuple[int, ...]] = None) -> Batch:

@@ -12,7 +12,8 @@ The global norm counts every parameter exactly once: TP shards on every TP rank,
 TP-replicated parameters on TP rank 0 only, a tied head copy not at all (its
 twin on the first stage counts), DP/CP replicas once (their gradients are equal
 after the DP reduction; sharded optimizers pass their own DP-sharded squares).
-One all-reduce of a scalar over TP x PP (plus DP when grads are DP-sharded).
+One all-reduce of a scalar over TP x PP (plus DP when grads are DP-sharded). The norm stays a
+device tensor and clipping is branch-free, so neither reads a value on the host.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def reduce_tied_embedding_grads(
 
 def global_grad_norm(
     params: Iterable[torch.Tensor], state: ParallelState, dp_sharded: bool = False, grad_fn: GradFn = grad_of
-) -> float:
-    """L2 norm over the whole model, every parameter counted once (see module docstring)."""
+) -> torch.Tensor:
+    """L2 norm over the whole model, every parameter counted once (see module docstring); a 0-dim device tensor."""
     grads = [g for p in params if (g := grad_fn(p)) is not None and g.numel() and counts_for_norm(p, state)]
     squares = torch.zeros((), dtype=torch.float32, device=state.device)
     if grads:  # one fused kernel per dtype/device group instead of a Python loop of pow/sum
@@ -97,12 +98,19 @@ def global_grad_norm(
     dist.all_reduce(squares, group=state.mp_group)
     if dp_sharded:
         dist.all_reduce(squares, group=state.dp_cp_group)
-    return squares.sqrt().item()
+    return squares.sqrt()
 
 
-def clip_grads(params: Iterable[torch.Tensor], max_norm: float, total_norm: float, grad_fn: GradFn = grad_of) -> None:
-    if max_norm <= 0 or total_norm <= max_norm or not torch.isfinite(torch.tensor(total_norm)):
-        return
-    coef = max_norm / (total_norm + 1e-6)
+def clip_grads(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor, grad_fn: GradFn = grad_of) -> None:
+    """Scale the gradients by max_norm / (norm + 1e-6) when the norm is finite and above max_norm; no host read.
+
+    The coefficient is formed in float64 and rounded to fp32, as the scalar path did when the norm was a
+    Python float, so the clipped gradients are bitwise the same as before; otherwise the multiply is by 1.0.
+    """
     grads = [g for g in (grad_fn(p) for p in params) if g is not None]
+    if max_norm <= 0 or not grads:
+        return
+    norm = total_norm.to(grads[0].device, torch.float64)
+    clip = torch.isfinite(norm) & (norm > max_norm)
+    coef = torch.where(clip, max_norm / (norm + 1e-6), 1.0).to(torch.float32)
     torch._foreach_mul_(grads, coef)

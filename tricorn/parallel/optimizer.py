@@ -19,9 +19,12 @@ copy.
 One step: finish the DP reductions; all-reduce sequence-parallel gradients
 over TP and tied-embedding gradients over the embedding group (on the owned
 views); then for fp16, unscale and agree on overflow with one all-reduce over
-all ranks (a skipped step leaves parameters and state untouched); the global
+all ranks (a skipped step leaves parameters and state untouched: fused AdamW's
+found_inf, decided on the device, never read on the host); the global
 norm counts every parameter once (grads.py), summed over DP shards when
-sharded; clip; AdamW; copy back; all-gather the parameters (ZeRO-1/2).
+sharded; clip; AdamW; copy back; all-gather the parameters (ZeRO-1/2), bucket by bucket in the
+order the next forward uses them (with --overlap-param-gather each module's forward pre-hook
+waits only for its own buckets' gathers, as Megatron's).
 
 Test hook: TRICORN_TEST_INJECT_INF_AT_ITER=N (with TRICORN_TEST_INJECT_INF_RANK,
 default 0) writes an inf into one gradient element on that rank during
@@ -37,11 +40,10 @@ sharded_param_state() for the per-parameter optimizer state in global coordinate
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -62,9 +64,11 @@ INJECT_INF_RANK = "TRICORN_TEST_INJECT_INF_RANK"
 
 @dataclass
 class StepInfo:
-    grad_norm: float
-    skipped: bool = False
-    loss_scale: float = 1.0
+    """Device tensors (0-dim) or plain numbers; the trainer reads them once per log line."""
+
+    grad_norm: Union[torch.Tensor, float]
+    skipped: Union[torch.Tensor, bool] = False
+    loss_scale: Union[torch.Tensor, float] = 1.0
 
 
 def param_groups(modules: list[nn.Module], weight_decay: float) -> list[dict]:
@@ -83,7 +87,7 @@ class Optimizer:
         self.state = state
         self.modules = modules
         self.opts = dp_options(cfg)
-        self.scaler = build_loss_scaler(cfg)
+        self.scaler = build_loss_scaler(cfg, state.device)
         shard_params = self.opts.stage == 3 and dist.get_world_size(state.dp_cp_group) > 1
         self.data_parallel: list[DataParallel] = []
         self.sharders: list[Optional[ParamSharder]] = []
@@ -95,7 +99,16 @@ class Optimizer:
             self.sharders.append(ParamSharder(m, units, dp) if units else None)
         self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
         offload = cfg.parallel.optimizer_cpu_offload
-        self.shards = [ShardState(b, cfg.training, offload) for dp in self.data_parallel for b in dp.buckets]
+        self.shards = [
+            ShardState(b, cfg.training, offload, fused=self.scaler is not None) for dp in self.data_parallel for b in dp.buckets
+        ]
+        # Shards in the order the next forward uses their buckets: chunk by chunk, and within a chunk the buckets
+        # reversed (they are packed in backward order), so the embedding's all-gather is issued first and the
+        # first layer's forward pre-hook (data_parallel.py) waits for that one gather only, not for all of them.
+        starts = [0]
+        for dp in self.data_parallel:
+            starts.append(starts[-1] + len(dp.buckets))
+        self._forward_order = [i for c in range(len(self.data_parallel)) for i in reversed(range(starts[c], starts[c + 1]))]
         self.iteration = 0  # steps taken, skipped ones included
         self._inject_at = int(os.environ.get(INJECT_INF_AT_ITER, "0"))
         self._inject_rank = int(os.environ.get(INJECT_INF_RANK, "0"))
@@ -137,46 +150,52 @@ class Optimizer:
     # ------------------------------------------------------------ step
 
     def step(self) -> StepInfo:
+        """One optimizer step with no host read: the norm, the overflow flag and the skip stay on the device.
+
+        With a loss scaler, a step whose gradients hold an inf/nan on any rank (or, with
+        --check-for-nan-in-loss-and-grad, whose norm is not finite) is skipped by the fused AdamW
+        kernel's found_inf argument, which leaves parameters, moments and step counts untouched.
+        """
         self.iteration += 1
         grads = [s.grads_for_step() for s in self.shards]
         if any(s.offloaded for s in self.shards) and self.state.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the device-to-host gradient copies have landed
         self._step_grads = {id(p): g[lo:hi] for s, g in zip(self.shards, grads) for p, lo, hi, _ in s.entries}
         scale = self.scaler.scale if self.scaler is not None else 1.0
+        skip: Optional[torch.Tensor] = None
         if self.scaler is not None:
-            found_inf = self._unscale_and_check(grads, 1.0 / scale)
-            self.scaler.update(found_inf)
-            if found_inf:
-                self._after_step()
-                return StepInfo(grad_norm=float("nan"), skipped=True, loss_scale=scale)
+            skip = self._unscale_and_check(grads, scale)
+            self.scaler.update(skip)
         grad_fn = self._step_grad
         norm = global_grad_norm(self.params, self.state, dp_sharded=self.opts.distributed, grad_fn=grad_fn)
-        if not math.isfinite(norm) and self.cfg.training.check_for_nan_in_loss_and_grad:
-            self._after_step()  # the trainer stops on this norm; the state is never poisoned
-            return StepInfo(grad_norm=norm, loss_scale=scale)
+        if skip is not None:
+            if self.cfg.training.check_for_nan_in_loss_and_grad:
+                skip = skip | ~torch.isfinite(norm)
+            norm = torch.where(skip, float("nan"), norm)  # a skipped step reports no norm, as Megatron's log does
         clip_grads(self.params, self.cfg.training.clip_grad, norm, grad_fn=grad_fn)
         gather = self.opts.stage in (1, 2)
-        for s, g in zip(self.shards, grads):
-            s.step(g)
+        for i in self._forward_order:  # each bucket's gather starts right after its step, first-used bucket first
+            self.shards[i].step(grads[i], found_inf=skip)
             if gather:
-                s.bucket.start_param_gather()
+                self.shards[i].bucket.start_param_gather()
         if not self.opts.overlap_param_gather or self.iteration >= self.cfg.training.train_iters:
             self.finish_param_sync()  # with overlap, the next forward waits; after the last step nothing would
         self._after_step()
-        return StepInfo(grad_norm=norm, loss_scale=scale)
+        return StepInfo(grad_norm=norm, skipped=skip if skip is not None else False, loss_scale=scale)
 
     def _step_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         return self._step_grads.get(id(p))
 
-    def _unscale_and_check(self, grads: list[torch.Tensor], inv_scale: float) -> bool:
-        """Unscale in place; True when any gradient on any rank (TP, PP, DP) is inf/nan."""
+    def _unscale_and_check(self, grads: list[torch.Tensor], scale) -> torch.Tensor:
+        """Unscale in place; a device bool, True when any gradient on any rank (TP, PP, DP) is inf/nan."""
         device = grads[0].device if grads else self.state.device
         found = torch.zeros(1, dtype=torch.float32, device=device)
         if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), inv_scale, device=device))
+            inv_scale = torch.as_tensor(scale, dtype=torch.float32, device=device).reciprocal().reshape(1)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
         found = found.to(self.state.device)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        return bool(found.item() > 0)
+        return found[0] > 0
 
     def _after_step(self) -> None:
         self._step_grads = {}
@@ -264,6 +283,15 @@ class Optimizer:
         self.iteration = int(state["iteration"])
         if self.scaler is not None and state.get("loss_scaler"):
             self.scaler.load_state_dict(state["loss_scaler"])
+
+    def host_scalars(self) -> list[torch.Tensor]:
+        """Tensors kept in host memory by design (foreach AdamW's step counters): reading them syncs nothing."""
+        return [
+            step
+            for s in self.shards
+            for step in s._steps()
+            if step.device.type == "cpu" and s.adam and not s.adam.defaults["fused"]
+        ]
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Every tensor this rank holds for the model state, by category (memory_report.py counts storages)."""

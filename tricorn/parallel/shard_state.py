@@ -50,7 +50,7 @@ def _buffer(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> 
 
 
 class ShardState:
-    def __init__(self, bucket: Bucket, t: TrainingConfig, offload: bool):
+    def __init__(self, bucket: Bucket, t: TrainingConfig, offload: bool, fused: bool = False):
         self.bucket = bucket
         shard = bucket.shard_param()
         self.offloaded = offload
@@ -76,13 +76,15 @@ class ShardState:
             decay = [m for m, (p, *_) in zip(self.masters, self.entries) if p.ndim > 1]
             no_decay = [m for m, (p, *_) in zip(self.masters, self.entries) if p.ndim <= 1]
             groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            # fused: the kernel takes the device-side skip flag (found_inf); foreach otherwise (the reference math).
+            kind = {"fused": True} if fused else {"foreach": True}
             self.adam = torch.optim.AdamW(
-                [g for g in groups if g["params"]], lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, foreach=True
+                [g for g in groups if g["params"]], lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, **kind
             )
             # State created up front as views of the flat moments (AdamW only initialises empty state).
             for m, (_, lo, hi, _) in zip(self.masters, self.entries):
                 self.adam.state[m] = {
-                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "step": torch.tensor(0.0, dtype=torch.float32, device=home if fused else "cpu"),
                     "exp_avg": self.exp_avg[lo:hi],
                     "exp_avg_sq": self.exp_avg_sq[lo:hi],
                 }
@@ -94,10 +96,13 @@ class ShardState:
             return grads
         return self.grad_staging.copy_(grads, non_blocking=self.grad_staging.is_pinned())
 
-    def step(self, grads: torch.Tensor) -> None:
+    def step(self, grads: torch.Tensor, found_inf: Optional[torch.Tensor] = None) -> None:
+        """AdamW on the owned range; with `found_inf` (fused only) a True flag leaves everything untouched."""
         if self.adam is not None:
             for m, (_, lo, hi, _) in zip(self.masters, self.entries):
                 m.grad = grads[lo:hi]
+            if found_inf is not None:  # offloaded: the CPU kernel needs the flag in host memory (this syncs)
+                self.adam.found_inf = found_inf.to(self.master.device, torch.float32).reshape(())
             self.adam.step()
             for m in self.masters:
                 m.grad = None

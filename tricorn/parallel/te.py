@@ -7,8 +7,15 @@ freely between `local` and `transformer_engine` and every layout keeps working.
 with delayed scaling (the backward follows the autocast of its forward).
 
 Imported only when asked for: Transformer Engine does not import without a GPU.
-No collectives of its own beyond TE's FP8 amax reduction over the data-parallel
-group; memory: FP8 weight/activation copies and amax histories held by TE.
+No collectives of its own beyond TE's FP8 amax reduction; memory: FP8 weight/activation
+copies and amax histories held by TE.
+
+The amax reduction group (fp8_group) is TP x DP x CP, every rank of one pipeline stage, as
+Megatron's get_amax_reduction_group(with_context_parallel=True) and TE recommend: with
+sequence parallelism each TP rank sees a different sequence shard, so TP peers must agree
+on the scaling factors of the weights they share a GEMM with; DP/CP peers see other data.
+FP8 with recompute is refused at validation: the recomputed forward would run outside
+fp8_autocast and so compute different activations from the forward it replays.
 """
 
 from __future__ import annotations
@@ -75,6 +82,14 @@ def te_spec(spec: LayerSpec, cfg: Config, tp_group: dist.ProcessGroup, device: t
         column_linear=functools.partial(TEColumnParallelLinear, group=tp_group, sequence_parallel=sp, device=device),
         row_linear=functools.partial(TERowParallelLinear, group=tp_group, sequence_parallel=sp, device=device),
     )
+
+
+AMAX_DIMS = ("dp", "cp", "tp")  # mesh dimensions of the amax reduction group (not pp: stages have own layers)
+
+
+def amax_reduction_group(mesh) -> dist.ProcessGroup:
+    """TP x DP x CP of this rank's pipeline stage (see the module docstring). A collective: all ranks call it."""
+    return mesh[AMAX_DIMS]._flatten("_".join(AMAX_DIMS)).get_group()
 
 
 def enable_fp8(chunks: list[nn.Module], cfg: Config, amax_group: dist.ProcessGroup) -> None:

@@ -7,7 +7,9 @@ The script (see scripts/slurm/README.md):
   SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, MASTER_ADDR is the first host of the allocation;
 - traps USR1 and forwards it to srun, whose tasks (``--exit-signal-handler --exit-signal SIGUSR1``) save a
   checkpoint and exit 0; the script then requeues the job, which resumes from the same --save/--load dir;
-- writes TensorBoard events and per-rank logs under the run directory, one subdirectory per job.
+- writes TensorBoard events and per-rank logs under the run directory, one subdirectory per job;
+- passes --data-cache-path on shared storage (the run directory): rank 0 builds the sample-index cache
+  first (data/cache.py, a barrier), every other rank and every requeue reads it.
 
 ``python -m tricorn.planning.sbatch --regenerate`` rewrites scripts/slurm/*.sbatch from ``CHECKED_IN``.
 No collectives, no device work.
@@ -142,7 +144,10 @@ RUN_DIR=${{RUN_DIR:-$TRICORN_DIR/runs/$SLURM_JOB_NAME}}
 CKPT_DIR=$RUN_DIR/checkpoints            # --save and --load: a requeued job resumes from here
 TB_DIR=$RUN_DIR/tensorboard/$SLURM_JOB_ID
 LOG_DIR=$RUN_DIR/logs/$SLURM_JOB_ID
-mkdir -p "$CKPT_DIR" "$TB_DIR" "$LOG_DIR"
+# Sample-index cache on shared storage: global rank 0 builds it while the other ranks wait at a barrier,
+# then every rank (and every requeue) memory-maps the same files instead of each building its own.
+DATA_CACHE_DIR=${{DATA_CACHE_DIR:-$RUN_DIR/data_cache}}
+mkdir -p "$CKPT_DIR" "$TB_DIR" "$LOG_DIR" "$DATA_CACHE_DIR"
 
 if [[ -z ${{DATA_ARGS:-}} ]]; then
     : "${{DATA_PATH:?set DATA_PATH to a preprocessed prefix (tricorn preprocess), or DATA_ARGS}}"
@@ -166,6 +171,7 @@ ARGS=(
     --exit-signal SIGUSR1
     --tensorboard-dir "$TB_DIR"
     --log-dir "$LOG_DIR"
+    --data-cache-path "$DATA_CACHE_DIR"
 )
 
 echo "tricorn: job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST, master $MASTER_ADDR:$MASTER_PORT"

@@ -67,6 +67,7 @@ from tricorn.training.checkpoint_io import CheckpointError
 from tricorn.training.checkpoint_pieces import Piece, owned_pieces, owned_tensor
 from tricorn.training.checksums import file_checksums
 from tricorn.training.lr_schedule import learning_rate
+from tricorn.training.staging import HostStaging, Staged
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -94,6 +95,7 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo", timeout=timeout) if (c.save or c.load) else None
         self.executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.pending: Optional[concurrent.futures.Future] = None
+        self.staging = HostStaging()  # --async-save: pinned host buffers and a side stream on CUDA
         self.last_saved: Optional[int] = None
         self.loaded_iteration = 0
         self.stall_seconds: list[float] = []  # training time each save took (bench/checkpoint.py)
@@ -168,6 +170,8 @@ class Checkpointer:
     def save(self, trainer) -> None:
         """Checkpoint the state after `trainer.iteration`; returns once it is written, or staged with --async-save."""
         assert self.root is not None, "save() needs --save"
+        if hasattr(trainer, "check_nan"):
+            trainer.check_nan()  # the device-side NaN flag is read before the state is written, never after
         self.wait()
         start = time.perf_counter()
         it = trainer.iteration
@@ -176,8 +180,12 @@ class Checkpointer:
         rng = io.encode_rng(self._rng_states())
         trainer.optimizer.finish_param_sync()  # the owned values are final before they are read
         owned = self._owned(trainer)
-        if self.cfg.checkpoint.async_save:  # the training stall of an async save: one copy to CPU memory
-            owned = {k: (t.to("cpu", copy=True), p, pieces) for k, (t, p, pieces) in owned.items()}
+        staged = None
+        if self.cfg.checkpoint.async_save:  # the stall of an async save: queue copies to host memory (staging.py)
+            staged = self.staging.stage({k: (t, (p, pieces)) for k, (t, p, pieces) in owned.items()})
+            owned = {k: (t, p, pieces) for k, (t, (p, pieces)) in staged.tensors.items()}
+            if staged.done is not None:
+                trainer.step_fences.append(staged.done)  # the next optimizer step waits for the copies
         tensors = {k: owned_tensor(t, p, pieces) for k, (t, p, pieces) in owned.items()}
         if not self.cfg.checkpoint.async_save:
             self._write(tensors, meta, rng, tmp, it)
@@ -185,7 +193,7 @@ class Checkpointer:
             self.stall_seconds.append(time.perf_counter() - start)
             return
         self.executor = self.executor or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tricorn-ckpt")
-        self.pending = self.executor.submit(self._write, tensors, meta, rng, tmp, it)
+        self.pending = self.executor.submit(self._write_staged, staged, tensors, meta, rng, tmp, it)
         self.last_saved = it
         self.stall_seconds.append(time.perf_counter() - start)
 
@@ -225,6 +233,10 @@ class Checkpointer:
             io.write_manifest(tmp, checksums)
             self._publish(tmp, iteration)
         dist.barrier(group=self.group)
+
+    def _write_staged(self, staged: Staged, *args) -> None:
+        staged.wait()  # the side-stream copies have landed in the pinned buffers
+        self._write(*args)
 
     def _publish(self, tmp: Path, iteration: int) -> None:
         io.fsync_dir(tmp)

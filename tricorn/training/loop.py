@@ -4,16 +4,25 @@ Per iteration: cut this DP rank's slice of the global batch into microbatches,
 count the valid tokens of the whole global batch (one all-reduce over DP),
 run forward/backward (pipelined or not), finish the gradient reductions, step,
 and reduce the loss for logging (one scalar all-reduce over DP x CP and PP).
+
+No host synchronisation in an iteration that does not log: the loss, grad norm, skip flag
+and loss scale stay on the device (IterationResult holds 0-dim tensors) and are read in one
+go when a log line is due (`materialize`). The fp16 skip is decided on the device (optimizer.py).
+NaN/Inf detection (--check-for-nan-in-loss-and-grad) accumulates the first bad iteration on
+the device and reads it at each log line, every --nan-check-interval iterations, and before
+every checkpoint save: a NaN stops the run at the first of those after it happens (latency
+up to --log-interval iterations by default), never after a checkpoint of the bad state.
+On CUDA the trainer synchronises the device only in logging iterations, so the interval's
+wall time includes its kernels; phase timers synchronise only at --timing-log-level >= 1.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -42,13 +51,18 @@ class NaNError(RuntimeError):
     pass
 
 
+Number = Union[torch.Tensor, float]
+
+
 @dataclass
 class IterationResult:
-    loss: float
-    grad_norm: float
+    """One iteration's outcome; loss, grad_norm, skipped and loss_scale are device tensors until `materialize`."""
+
+    loss: Number
+    grad_norm: Number
     lr: float
-    skipped: bool
-    loss_scale: float
+    skipped: Union[torch.Tensor, bool]
+    loss_scale: Number
     global_batch_size: int
     num_microbatches: int
     seconds: float
@@ -70,6 +84,8 @@ class Trainer:
     skipped_iterations: int = 0  # optimizer steps skipped for fp16 overflow, this run
     # Called after each iteration (checkpoint.py: save at --save-interval, exit conditions); True stops training.
     on_iteration_end: Optional[Callable[[Trainer], bool]] = None
+    step_fences: list = field(default_factory=list)  # CUDA events the next optimizer step waits for (async save staging)
+    _nan_first: Optional[torch.Tensor] = None  # [iteration, loss, grad norm] of the first non-finite iteration (device)
 
     # ------------------------------------------------------------ batches
 
@@ -91,17 +107,17 @@ class Trainer:
         dist.all_reduce(tokens, group=self.state.dp_group)
         return tokens
 
-    def _reduce_loss(self, local: torch.Tensor) -> float:
+    def _reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
         """Sum over DP x CP (each holds part of the global batch) and PP (only the last stage has it)."""
         if not self.state.is_last_stage:
             local = torch.zeros_like(local)
         dist.all_reduce(local, group=self.state.dp_cp_group)
         dist.all_reduce(local, group=self.state.pp_group)
-        return local.item()
+        return local
 
     # ------------------------------------------------------------ one iteration
 
-    def train_step(self, batch: Batch, num_microbatches: int) -> tuple[float, object]:
+    def train_step(self, batch: Batch, num_microbatches: int) -> tuple[torch.Tensor, object]:
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
@@ -111,8 +127,15 @@ class Trainer:
         with self.timers(GRADS_REDUCE_WAIT):
             self.optimizer.finish_grad_sync()
         with self.timers(OPTIMIZER_STEP):
+            self._wait_step_fences()
             info = self.optimizer.step()
         return self._reduce_loss(local_loss), info
+
+    def _wait_step_fences(self) -> None:
+        """The device waits (the host does not) for work that must read the state before the step writes it."""
+        for event in self.step_fences:
+            torch.cuda.current_stream().wait_event(event)
+        self.step_fences.clear()
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
@@ -122,14 +145,17 @@ class Trainer:
         for chunk in self.chunks:
             chunk.eval()
         gbs, nmb = self.batch_sizes()
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float32, device=self.state.device)
         for _ in range(self.cfg.data.eval_iters):
             batch = self.valid_loader.next(gbs)
             ctx = StepContext(self.optimizer, self._global_tokens(batch), forward_only=True, prepare=self._cp_slice)
             total += self._reduce_loss(self.forward_backward(self.chunks, self._microbatches(batch, nmb), ctx))
         self.optimizer.release_gathered()  # ZeRO-3: a unit kept for its (absent) backward is freed
         self.logger.observe_evaluation(time.perf_counter() - start)  # the ETA counts the remaining evaluations
-        return total / self.cfg.data.eval_iters
+        return total.item() / self.cfg.data.eval_iters  # one host read per evaluation
+
+    def logs_at(self, iteration: int) -> bool:
+        return iteration % self.cfg.logging.log_interval == 0 or iteration == self.cfg.training.train_iters
 
     def run_iteration(self) -> IterationResult:
         start = time.perf_counter()
@@ -140,16 +166,51 @@ class Trainer:
         with self.timers(DATA_LOADING):
             batch = self.train_loader.next(gbs)
         loss, info = self.train_step(batch, nmb)
-        if self.state.device.type == "cuda":
-            torch.cuda.synchronize()
+        t = self.cfg.training
+        if t.check_for_nan_in_loss_and_grad:
+            self._track_nan(loss, info)
+        if self.logs_at(self.iteration) and self.state.device.type == "cuda":
+            torch.cuda.synchronize()  # the interval's wall time includes its kernels; other iterations run ahead
         result = IterationResult(loss, info.grad_norm, lr, info.skipped, info.loss_scale, gbs, nmb, time.perf_counter() - start)
-        if self.cfg.training.check_for_nan_in_loss_and_grad and not info.skipped:
-            if not (math.isfinite(loss) and math.isfinite(info.grad_norm)):
-                raise NaNError(f"iteration {self.iteration}: loss {loss} / grad norm {info.grad_norm} is not finite; stopping")
+        interval = t.nan_check_interval
+        if self.logs_at(self.iteration) or (interval and self.iteration % interval == 0):
+            self.check_nan()
         return result
+
+    def _track_nan(self, loss: torch.Tensor, info) -> None:
+        """Keep [iteration, loss, grad norm] of the first non-finite, not skipped iteration on the device."""
+        norm = torch.as_tensor(info.grad_norm, device=loss.device)
+        bad = ~(torch.isfinite(loss) & torch.isfinite(norm)) & ~torch.as_tensor(info.skipped, device=loss.device)
+        now = torch.stack(
+            [torch.full((), float(self.iteration), dtype=torch.float64, device=loss.device), loss.double(), norm.double()]
+        )
+        first = self._nan_first if self._nan_first is not None else torch.zeros_like(now)
+        self._nan_first = torch.where(bad & (first[0] == 0), now, first)
+
+    def check_nan(self) -> None:
+        """Raise NaNError if any iteration so far had a non-finite loss or grad norm (one host read)."""
+        if self._nan_first is None:
+            return
+        iteration, loss, norm = self._nan_first.tolist()
+        if iteration:
+            raise NaNError(
+                f"iteration {int(iteration)}: loss {loss} / grad norm {norm} is not finite; stopping "
+                f"(detected after iteration {self.iteration}; --nan-check-interval 1 checks every iteration)"
+            )
+
+    def materialize(self) -> None:
+        """Read the unlogged results' device values into Python numbers with one host read."""
+        fields = ("loss", "grad_norm", "skipped", "loss_scale")
+        pending = [(r, f) for r in self.unlogged for f in fields if isinstance(getattr(r, f), torch.Tensor)]
+        if pending:
+            values = torch.stack([getattr(r, f).detach().to(self.state.device, torch.float64).reshape(()) for r, f in pending])
+            for (r, f), v in zip(pending, values.tolist()):
+                setattr(r, f, bool(v) if f == "skipped" else v)
+        self.skipped_iterations += sum(int(r.skipped) for r, f in pending if f == "skipped")
 
     def log(self, r: IterationResult) -> None:
         """Console line, TensorBoard and metrics of the iterations since the last log (logging.py); all ranks call it."""
+        self.materialize()
         self.logger.log_iteration(self)
 
     def train(self) -> None:
@@ -160,11 +221,10 @@ class Trainer:
             with iteration_peak(self.optimizer, self.chunks, self.state.device) if report else nullcontext({}) as peak:
                 result = self.run_iteration()
             self.unlogged.append(result)
-            self.skipped_iterations += int(result.skipped)
             if report:
                 write_memory_report(self.cfg, self.state, self.optimizer, peak)
             first_of_run = False
-            if self.iteration % self.cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
+            if self.logs_at(self.iteration):
                 self.log(result)
             if self.valid_loader is not None and d.eval_interval and self.iteration % d.eval_interval == 0:
                 self.log_validation(self.evaluate())

@@ -80,9 +80,9 @@ def build(cfg: Config, state):
     for chunk in chunks:
         cast_params(chunk, cfg)
     if cfg.training.fp8_format:
-        from tricorn.parallel.te import enable_fp8
+        from tricorn.parallel.te import amax_reduction_group, enable_fp8
 
-        enable_fp8(chunks, cfg, state.dp_cp_group)
+        enable_fp8(chunks, cfg, amax_reduction_group(state.mesh))
     for chunk in chunks:  # frozen parameters: the DP buckets of the optimizer materialise the trainable ones
         materialize(chunk, InitSpec(cfg.training.seed, cfg.model.init_method_std, cfg.model.num_layers), frozen_only=True)
     optimizer = Optimizer(cfg, state, chunks)
@@ -112,6 +112,14 @@ def build_loaders(cfg: Config, state):
     from tricorn.data.loader import build_loaders as data_loaders
 
     train, valid, _ = data_loaders(cfg, state.dp_rank, state.dp_size)
+    if cfg.data.num_workers > 0:  # worker processes build the next batches (same samples, same order)
+        from tricorn.data.prefetch import PrefetchingBatchLoader
+        from tricorn.parallel.batch_schedule import MicrobatchCalculator
+
+        schedule = MicrobatchCalculator.from_config(cfg)
+        train = PrefetchingBatchLoader(
+            train, cfg.data.num_workers, schedule.global_batch_size_at, pin_memory=state.device.type == "cuda"
+        )
     return train, valid
 
 
@@ -206,6 +214,7 @@ def _train(cfg: Config, state, exits) -> int:
         logger.close()  # joins TensorBoard's writer thread
         if trainer is not None:
             trainer.optimizer.close()
+            getattr(trainer.train_loader, "close", lambda: None)()  # --num-workers: stop the prefetch workers
 
 
 if __name__ == "__main__":
