@@ -74,7 +74,6 @@ def test_non_divisible_ramp_is_refused_before_launch():
     [
         ((40, 8, 100), "START 40 exceeds --global-batch-size 32"),
         ((8, 5, 100), "minus START 8 = 24 is not divisible by INCREMENT 5"),
-        ((8, 8, 0), "must all be at least 1"),
     ],
 )
 def test_ramp_shape_errors(rampup, message):
@@ -82,3 +81,13 @@ def test_ramp_shape_errors(rampup, message):
     assert len(errs) == 1 and message in errs[0]
     with pytest.raises(BatchScheduleError, match=message):
         MicrobatchCalculator(32, 1, 1, rampup=rampup)
+
+
+def test_ramp_values_below_one_are_refused():
+    """The flag's range check (tricorn/fields.py) refuses it before any validator; the API refuses it too."""
+    from tricorn.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--rampup-batch-size must be at least 1, got 0"):
+        _cfg("--global-batch-size", "32", "--rampup-batch-size", "8", "8", "0", world_size=1)
+    with pytest.raises(BatchScheduleError, match="must all be at least 1"):
+        MicrobatchCalculator(32, 1, 1, rampup=(8, 8, 0))
