@@ -26,12 +26,12 @@ q_full = torch.randn(b, heads, s, d, dtype=torch.float64, requires_grad=True)
 k_full = torch.randn(b, groups, s, d, dtype=torch.float64, requires_grad=True)
 v_full = torch.randn(b, groups, s, d, dtype=torch.float64, requires_grad=True)
 grad_full = torch.randn(b, heads, s, d, dtype=torch.float64)
-ref = sdpa_causal(q_full, k_full, v_full, 0.0)
+ref = sdpa_causal(q_full, k_full, v_full, None)  # no dropout
 ref.backward(grad_full)
 
 idx = local_positions(s, rank, world)
 q, k, v = (t.detach()[:, :, idx].clone().requires_grad_() for t in (q_full, k_full, v_full))
-out = context_parallel_attention(group, s // world)(q, k, v, 0.0)
+out = context_parallel_attention(group, s // world)(q, k, v, None)  # no dropout
 out.backward(grad_full[:, :, idx])
 
 
