@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from harness import BASE_FLAGS, ENTRY, ROOT, spawn_ranks
 
 VARIANTS = {
@@ -21,6 +22,7 @@ VARIANTS = {
 RUNS = 20
 
 
+@pytest.mark.timeout(900)  # ~100 s on an idle 2-core box; 20 launches of 2 ranks stretch on a loaded one
 def test_twenty_launches_in_a_row_exit_zero(tmp_path):
     names = list(VARIANTS)
     for i in range(RUNS):
