@@ -9,7 +9,7 @@ from harness import BASE_FLAGS, assert_equivalent, run_script
 from torch import nn
 
 from tricorn.config import config_from_args
-from tricorn.parallel.data_parallel import dp_options, plan_buckets
+from tricorn.parallel.data_parallel import dp_options, plan_param_buckets
 from tricorn.validation import validate
 
 WORKER = Path(__file__).parent / "workers" / "dist_opt.py"
@@ -21,13 +21,13 @@ def _params(*sizes: int, dtype=torch.float32) -> list[nn.Parameter]:
 
 def test_buckets_are_reverse_order_and_close_past_the_size():
     params = _params(10, 20, 30, 40)
-    buckets = plan_buckets(params, bucket_size=50, alone=lambda p: False)
+    buckets = plan_param_buckets(params, bucket_size=50, alone=lambda p: False)
     assert [[p.numel() for p in b] for b in buckets] == [[40, 30], [20, 10]]
 
 
 def test_one_dtype_per_bucket_and_lone_params():
     params = _params(5, 5) + _params(5, dtype=torch.bfloat16) + _params(5, 5)
-    buckets = plan_buckets(params, bucket_size=1000, alone=lambda p: p is params[0])
+    buckets = plan_param_buckets(params, bucket_size=1000, alone=lambda p: p is params[0])
     index = {id(p): i for i, p in enumerate(params)}
     assert [[index[id(p)] for p in b] for b in buckets] == [[4, 3], [2], [1], [0]]
 

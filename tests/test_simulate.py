@@ -9,7 +9,14 @@ import dataclasses
 import pytest
 
 from tricorn.planning.estimate import config_for_estimate
-from tricorn.planning.memory import Layout, estimate, estimate_config, layer_params_per_rank
+from tricorn.planning.memory import (
+    Layout,
+    estimate,
+    estimate_config,
+    layer_params_per_rank,
+    stage_params_per_rank,
+    zero2_buckets,
+)
 from tricorn.simulate import (
     KEYS,
     SimulationMode,
@@ -133,6 +140,24 @@ def test_zero3_transient_gradients_match_the_simulation():
     big = config_for_estimate(["--model-preset", "llama2-70b", "--bf16", "--zero-stage", "3"], 64)
     layer_fp32 = 4 * 855_654_400  # one llama2-70b layer's parameters at TP 1, in fp32
     assert estimate_config(big).grad_buffer_bytes == 2 * layer_fp32  # exact: two buckets of one layer each
+
+
+def test_zero2_transient_gradients_are_two_buckets_at_the_peak():
+    """ZeRO-2 at DP 8 with llama2-13b's real layer and vocabulary sizes (3 layers, to keep it quick): at the
+    peak the gradients are the owned shards (full/DP) plus two buckets - the embedding's, a vocabulary-sized
+    bucket of its own since a parameter never spans two, filling while the layer bucket before it reduces -
+    and the estimator counts exactly the code's bucket plan."""
+    argv = ["--model-preset", "llama2-13b", "--num-layers", "3", "--bf16", "--zero-stage", "2", "--seq-length", "1024"]
+    cfg = config_for_simulation([*argv, "--global-batch-size", "8", "--recompute-granularity", "full"], 8)
+    (r,) = simulate(cfg, [0], iters=1)
+    assert_within([r])
+    lay = Layout.from_config(cfg)
+    buckets = zero2_buckets(cfg.model, lay, 0, 3)
+    assert max(buckets) == 32_000 * 5120 + 5120  # the embedding (and the first layer's attention norm)
+    full_over_dp = 4 * stage_params_per_rank(cfg.model, lay, 0, 3) / 8  # fp32 main grads, sharded over DP 8
+    transient = r["measured"]["grads_bytes"] - full_over_dp
+    assert 0 < transient <= 4 * sum(sorted(buckets)[-2:])
+    assert r["estimated"]["grads_bytes"] == r["measured"]["grads_bytes"]  # exact: the code's own plan
 
 
 def test_planner_memory_equals_a_dry_run_of_its_flags():

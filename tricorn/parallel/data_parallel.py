@@ -52,6 +52,7 @@ from torch import nn
 
 from tricorn.config import Config
 from tricorn.model.init import InitSpec, is_hollow
+from tricorn.parallel.buckets import plan_buckets
 from tricorn.parallel.grads import is_tied_copy, is_tied_embedding
 from tricorn.parallel.state import ParallelState
 
@@ -185,20 +186,11 @@ class Bucket:
             self.gather_work = None
 
 
-def plan_buckets(params: list[nn.Parameter], bucket_size: int, alone: Callable[[nn.Parameter], bool]) -> list[list[nn.Parameter]]:
+def plan_param_buckets(
+    params: list[nn.Parameter], bucket_size: int, alone: Callable[[nn.Parameter], bool]
+) -> list[list[nn.Parameter]]:
     """Reverse order, one dtype per bucket, a new bucket past `bucket_size` elements; `alone` params get their own."""
-    buckets: list[list[nn.Parameter]] = []
-    current: list[nn.Parameter] = []
-    size = 0
-    for p in reversed(params):
-        if current and (size >= bucket_size or p.dtype != current[0].dtype or alone(p) or alone(current[-1])):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += p.numel()
-    if current:
-        buckets.append(current)
-    return buckets
+    return plan_buckets(params, lambda p: p.numel(), bucket_size, lambda a, b: a.dtype != b.dtype or alone(a) or alone(b))
 
 
 def _contiguous(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -238,7 +230,7 @@ class DataParallel:
             # stages shard them identically and the embedding all-reduce can act on owned shards only.
             tied = {id(p) for n, p in named if is_tied_embedding(n) or is_tied_copy(p)}
             separate = opts.distributed and state.embedding_group is not None
-            groups = plan_buckets(params, opts.bucket_size, lambda p: separate and id(p) in tied)
+            groups = plan_param_buckets(params, opts.bucket_size, lambda p: separate and id(p) in tied)
         self.buckets = [Bucket(i, g, opts, self.group) for i, g in enumerate(groups) if g]
         self.slot_of: dict[int, tuple[Bucket, Slot]] = {id(s.param): (b, s) for b in self.buckets for s in b.slots}
         if len(self.slot_of) != sum(len(b.slots) for b in self.buckets) or len(self.slot_of) != len(params):

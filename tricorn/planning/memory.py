@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from tricorn.config import Config, ModelConfig
+from tricorn.parallel.buckets import plan_buckets
 from tricorn.planning.activations import (  # noqa: F401 - re-exported: the estimator's activation API lives here too
     KORTHIKANTI,
     TRICORN,
@@ -171,36 +172,56 @@ def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None, la
 # ---------------------------------------------------------------- parameters
 
 
-def layer_params_per_rank(model: ModelConfig, tp: int = 1) -> int:
+def layer_param_sizes(model: ModelConfig, tp: int = 1) -> list[int]:
+    """One layer's parameters on a TP rank, in the model's order (model/transformer.py, TransformerBlock)."""
     h, f, gd = model.hidden_size, model.ffn_size, model.kv_heads * model.head_dim
     q = model.num_attention_heads * model.head_dim
     bias = not model.disable_bias_linear
-    norm = h * (2 if model.normalization == "LayerNorm" else 1)
+    norm = [h, h] if model.normalization == "LayerNorm" else [h]
     up = f * (2 if model.swiglu else 1)
-    n = 2 * norm
-    n += h * (q + 2 * gd) // tp + (q + 2 * gd) // tp * bias  # fused QKV, column parallel
-    n += q // tp * h + h * bias  # out projection, row parallel (bias replicated)
-    n += h * up // tp + up // tp * bias  # w1 (gate|up), column parallel
-    n += f // tp * h + h * bias  # w2, row parallel
-    return n
+
+    def linear(weight: int, out: int) -> list[int]:
+        return [weight, out] if bias else [weight]
+
+    return [
+        *norm,
+        *linear(h * (q + 2 * gd) // tp, (q + 2 * gd) // tp),  # fused QKV, column parallel
+        *linear(q // tp * h, h),  # out projection, row parallel (bias replicated)
+        *norm,
+        *linear(h * up // tp, up // tp),  # w1 (gate|up), column parallel
+        *linear(f // tp * h, h),  # w2, row parallel
+    ]
+
+
+def layer_params_per_rank(model: ModelConfig, tp: int = 1) -> int:
+    return sum(layer_param_sizes(model, tp))
+
+
+def stage_param_sizes(model: ModelConfig, layout: Layout, stage: int, layers: int) -> list[tuple[int, bool]]:
+    """(elements, kept apart) of every parameter one TP rank of pipeline ``stage`` holds, in the model's order.
+    Kept apart: with PP and the distributed optimizer the embedding and a tied head's copy sit in buckets of
+    their own (parallel/data_parallel.py)."""
+    h, tp = model.hidden_size, layout.tp
+    vocab = model.padded_vocab_size(tp)
+    apart = layout.pp > 1 and layout.zero_stage >= 1
+    first, last = stage == 0, stage == layout.pp - 1
+    tied = not model.untie_embeddings_and_output_weights
+    sizes: list[tuple[int, bool]] = []
+    if first:
+        sizes.append((vocab // tp * h, apart))
+        if model.position_embedding_type == "learned_absolute":
+            sizes.append((model.max_positions * h, False))
+    sizes += [(n, False) for _ in range(layers) for n in layer_param_sizes(model, tp)]
+    if last:
+        sizes += [(h, False)] * (2 if model.normalization == "LayerNorm" else 1)
+        if not tied or not first:  # untied head, or the tied copy on a last stage without the embedding
+            sizes.append((vocab // tp * h, apart and tied))
+    return sizes
 
 
 def stage_params_per_rank(model: ModelConfig, layout: Layout, stage: int, layers: int) -> int:
     """Parameters one TP rank of pipeline ``stage`` holds."""
-    h, tp = model.hidden_size, layout.tp
-    vocab = model.padded_vocab_size(tp)
-    n = layers * layer_params_per_rank(model, tp)
-    first, last = stage == 0, stage == layout.pp - 1
-    if first:
-        n += vocab // tp * h
-        if model.position_embedding_type == "learned_absolute":
-            n += model.max_positions * h
-    if last:
-        n += h * (2 if model.normalization == "LayerNorm" else 1)
-        tied = not model.untie_embeddings_and_output_weights
-        if not tied or not first:  # untied head, or the tied copy on a last stage without the embedding
-            n += vocab // tp * h
-    return n
+    return sum(n for n, _ in stage_param_sizes(model, layout, stage, layers))
 
 
 def total_params(model: ModelConfig) -> int:
@@ -289,26 +310,52 @@ def _pipeline_buffer_bytes(model: ModelConfig, layout: Layout) -> float:
     )
 
 
-def zero_transient_grad_bytes(model: ModelConfig, layout: Layout, stage_params: int) -> float:
+def zero2_buckets(model: ModelConfig, layout: Layout, stage: int, layers: int) -> list[int]:
+    """ZeRO-2's gradient buckets on a rank of ``stage``, in backward order: the code's own plan
+    (parallel/buckets.py) over the stage's parameters, each virtual-pipeline chunk its own buffers."""
+    vpp = layout.vpp if layout.pp > 1 else 1
+    sizes = stage_param_sizes(model, layout, stage, layers)
+    per_layer = len(layer_param_sizes(model, layout.tp))
+    first = 0 if stage else (2 if model.position_embedding_type == "learned_absolute" else 1)
+    chunks: list[list[tuple[int, bool]]] = []
+    for c in range(vpp):  # layers split evenly over the chunks; the embedding on the first, the head on the last
+        lo = first + per_layer * (layers * c // vpp)
+        hi = first + per_layer * (layers * (c + 1) // vpp)
+        chunks.append((sizes[:first] if c == 0 else []) + sizes[lo:hi] + (sizes[hi:] if c == vpp - 1 else []))
+    buckets: list[int] = []
+    for chunk in reversed(chunks):  # backward runs the last chunk first
+        plan = plan_buckets(chunk, lambda s: s[0], layout.bucket_elements, lambda a, b: a[1] or b[1])
+        buckets += [sum(n for n, _ in b) for b in plan]
+    return buckets
+
+
+def zero_transient_grad_bytes(
+    model: ModelConfig, layout: Layout, stage: int, layers: int, at_backward_start: bool = False
+) -> float:
     """ZeRO-2/3's full-size gradient buckets alive at once (parallel/data_parallel.py): each bucket is
     reduce-scattered as soon as its last gradient arrives and released when that completes, one reduction in
-    flight - so two buckets, the one filling and the one reducing: --ddp-bucket-size elements under ZeRO-2, a
-    layer under ZeRO-3 (one bucket per unit). Stages 0-1 reduce in place: nothing."""
+    flight - so two buckets, the one filling and the one reducing. ZeRO-3 has one bucket per layer; ZeRO-2 the
+    code's plan of --ddp-bucket-size buckets, where a parameter never spans two, so the vocabulary-sized
+    embedding and head are buckets of their own size. At the backward's start the first two buckets are alive;
+    later, the worst neighbouring pair (an upper bound). Stages 0-1 reduce in place: nothing."""
     if layout.zero_stage < 2 or layout.dp * layout.cp == 1:
         return 0.0
     g_bytes = bytes_per_param(layout.precision, layout.grads_16bit)[1]
-    bucket = layer_params_per_rank(model, layout.tp) if layout.zero_stage >= 3 else min(layout.bucket_elements, stage_params)
-    return 2 * bucket * g_bytes
+    if layout.zero_stage >= 3:
+        return 2 * layer_params_per_rank(model, layout.tp) * g_bytes
+    buckets = zero2_buckets(model, layout, stage, layers)
+    pairs = [a + b for a, b in zip(buckets, buckets[1:])] or buckets
+    return (pairs[0] if at_backward_start else max(pairs)) * g_bytes
 
 
-def _forward_peak_buffers(model: ModelConfig, layout: Layout, stage: int, stage_params: int) -> Buffers:
+def _forward_peak_buffers(model: ModelConfig, layout: Layout, stage: int, layers: int) -> Buffers:
     """At the end of the forwards in flight, as the backward starts: p2p buffers; ZeRO-2/3's first gradient
     buckets; ZeRO-3's gathered units - none on the last stage, whose peak is the loss over the logits after the
     head has been freed, elsewhere a layer and the prefetched next one."""
     gathered = 0.0
     if layout.zero_stage >= 3 and stage != layout.pp - 1:
         gathered = 2 * layer_params_per_rank(model, layout.tp) * bytes_per_param(layout.precision)[0]
-    grads = zero_transient_grad_bytes(model, layout, stage_params)
+    grads = zero_transient_grad_bytes(model, layout, stage, layers, at_backward_start=True)
     return Buffers(pipeline=_pipeline_buffer_bytes(model, layout), gradients=grads, parameters=gathered)
 
 
@@ -323,7 +370,8 @@ def zero_backward_peak(
     two buckets are alive: the one filling and the one reducing - ZeRO-2's buckets of --ddp-bucket-size
     elements, ZeRO-3's one bucket per layer. Alive beside them at the first layer's backward: that layer's
     activations (rebuilt under full recompute), the other microbatches in flight, and ZeRO-3's gathered layer
-    with the prefetched unit before it (another layer, or the embedding on the first stage).
+    with the prefetched unit before it (another layer, or the embedding on the first stage); on the first stage,
+    just after, the embedding's dense autograd gradient.
     """
     if layout.zero_stage < 2 or layout.dp * layout.cp == 1:
         return None
@@ -334,14 +382,19 @@ def zero_backward_peak(
     # layer of the first stage the embedding - whichever is larger counts (both moments occur).
     before = max(layer if n_layers >= 2 else 0, embedding) or layer
     gathered = (layer + before) * p_bytes if layout.zero_stage >= 3 else 0.0
-    grads = zero_transient_grad_bytes(model, layout, stage_params)
+    grads = zero_transient_grad_bytes(model, layout, stage, n_layers)
     buffers = Buffers(_pipeline_buffer_bytes(model, layout), grads, gathered)
     in_flight = microbatches_in_flight(layout, stage)
     others = (in_flight - 1) * stage_activation_bytes(model, layout, stage, n_layers, profile) / in_flight
     # The largest backward temporary of the layer: the gradient of the MLP's up projection output.
     tokens = model.seq_length // layout.cp * layout.micro_batch
     workspace = activation_element_bytes(layout.precision) * tokens * model.ffn_size * (2 if model.swiglu else 1) / layout.tp
-    return others + layout_layer_bytes(model, layout, profile, recompute=None) + workspace, buffers
+    layer_moment = layout_layer_bytes(model, layout, profile, recompute=None) + workspace
+    # The first stage's last backward is the embedding's: autograd builds its dense gradient (vocabulary x
+    # hidden, in the parameter dtype) from the gradient of its output, with the layer's tensors freed.
+    output_grad = activation_element_bytes(layout.precision) * tokens * model.hidden_size
+    embedding_moment = embedding * p_bytes + output_grad if embedding else 0.0
+    return others + max(layer_moment, embedding_moment), buffers
 
 
 def estimate(
@@ -370,7 +423,7 @@ def estimate(
         )
         activations = stage_activation_bytes(model, layout, stage, n_layers, profile)
         logits = embedding_logits_bytes(model, layout, stage, profile)
-        buffers = _forward_peak_buffers(model, layout, stage, n_params)
+        buffers = _forward_peak_buffers(model, layout, stage, n_layers)
         backward = zero_backward_peak(model, layout, stage, n_layers, n_params, profile)
         if backward is not None and backward[0] + backward[1].total > activations + logits + buffers.total:
             (activations, buffers), logits = backward, 0.0
