@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import zygote_client as zygote
+
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = ROOT / "pretrain_gpt.py"
 
@@ -78,25 +80,38 @@ def _port_clash(stderr: str) -> bool:
     return "address already in use" in stderr.lower() or "EADDRINUSE" in stderr
 
 
+def rank_env(rank: int, nproc: int, port: int, env: Optional[dict] = None) -> dict:
+    """torchrun's environment for one rank (one thread per rank: more ranks than cores)."""
+    return {
+        **os.environ,
+        **(env or {}),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
 def spawn_ranks(
-    cmd: list[str], nproc: int, timeout: float, cwd: Optional[Path] = None, env: Optional[dict] = None
+    cmd: list[str],
+    nproc: int,
+    timeout: float,
+    cwd: Optional[Path] = None,
+    env: Optional[dict] = None,
+    fresh: bool = False,
 ) -> list[tuple[int, str, str]]:
-    """Start `cmd` as nproc ranks with torchrun's environment on a fresh port; (exit code, stdout, stderr) per rank."""
+    """Start `cmd` as nproc ranks with torchrun's environment on a fresh port; (exit code, stdout, stderr) per rank.
+
+    Python scripts run as forks of the fork server (tests/zygote.py: torch is imported once, not per rank)
+    unless `fresh` - real processes, for what happens at interpreter start-up and exit."""
     port = free_port()
-    procs = []
-    for rank in range(nproc):
-        rank_env = {
-            **os.environ,
-            **(env or {}),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(nproc),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-        procs.append(subprocess.Popen(cmd, cwd=cwd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    envs = [rank_env(rank, nproc, port, env) for rank in range(nproc)]
+    if not fresh and zygote.usable(cmd, envs[0]):
+        return zygote.run(cmd, envs, cwd or Path.cwd(), timeout)
+    procs = [subprocess.Popen(cmd, cwd=cwd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for e in envs]
     outs = []
     try:
         for p in procs:

@@ -30,7 +30,7 @@ def test_twenty_launches_in_a_row_exit_zero(tmp_path):
         workdir = tmp_path / f"run{i}"
         workdir.mkdir()
         cmd = [sys.executable, str(ENTRY), *BASE_FLAGS, *VARIANTS[name], "--metrics-file", "metrics.jsonl"]
-        ranks = spawn_ranks(cmd, 2, timeout=120, cwd=workdir)
+        ranks = spawn_ranks(cmd, 2, timeout=120, cwd=workdir, fresh=True)
         for rank, (code, _out, err) in enumerate(ranks):
             assert code == 0, f"run {i} ({name}): rank {rank} exited {code}:\n{err[-2000:]}"
             assert "terminate called" not in err, f"run {i} ({name}) rank {rank}: {err[-2000:]}"
@@ -43,7 +43,7 @@ def test_failed_run_exits_with_its_own_code_and_one_line(tmp_path):
     `tricorn: error:` line, printed once (by rank 0: every rank raises it alike)."""
     env = {"TRICORN_TEST_INJECT_INF_AT_ITER": "2"}
     cmd = [sys.executable, str(ENTRY), *BASE_FLAGS, "--use-distributed-optimizer", "--check-for-nan-in-loss-and-grad"]
-    for rank, (code, _out, err) in enumerate(spawn_ranks(cmd, 2, timeout=120, cwd=tmp_path, env=env)):
+    for rank, (code, _out, err) in enumerate(spawn_ranks(cmd, 2, timeout=120, cwd=tmp_path, env=env, fresh=True)):
         lines = [line for line in err.splitlines() if line.strip() and "Warning" not in line and "warn" not in line]
         assert code == 1, f"rank {rank} exited {code}:\n{err[-2000:]}"
         if rank == 0:
