@@ -4,7 +4,7 @@ Importing torch and the trainer costs ~1.7 CPU-seconds per process, about 40% of
 suite launches ~1,000 ranks on a 2-core machine. The harness (tests/harness.py) asks this server to start the
 ranks of a launch instead: each is a fork of a process that has imported everything and run nothing (no
 thread, no OpenMP pool, no process group), given its own environment, working directory, argv and output
-files, then running the script exactly as ``python script.py args`` would, and leaving with ``os._exit``.
+files, then running the script exactly as ``python script.py args`` would, and leaving through the interpreter's normal exit.
 
 What a fork does not reproduce, and where the suite keeps real processes: interpreter start-up and shutdown
 (tests/test_clean_exit.py launches real processes: it tests what happens at exit), and a different
@@ -32,53 +32,47 @@ import torch.distributed  # noqa: F401
 import tricorn.training.main  # noqa: F401 - the trainer and everything it imports
 
 
-def _child(req: dict, inherited: list[socket.socket]) -> None:
-    """Become `python argv...` in the request's environment; never returns."""
-    code = 1
+def _child(req: dict) -> int:
+    """Run `python argv...` in the request's environment; its exit code. The caller then leaves the
+    interpreter normally (atexit, finalisation), as the script's own process would."""
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
+    # Line-buffered, as PYTHONUNBUFFERED asks: a rank killed at a timeout still leaves what it printed.
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    script = req["argv"][0]
+    sys.argv = list(req["argv"])
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` sets it
     try:
-        for sock in inherited:  # the server's sockets are not the rank's business
-            os.close(sock.fileno())
-        os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
-        for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
-            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(out, fd)
-            os.close(out)
-        # Line-buffered, as PYTHONUNBUFFERED asks: a rank killed at a timeout still leaves what it printed.
-        sys.stdout.reconfigure(line_buffering=True)
-        sys.stderr.reconfigure(line_buffering=True)
-        script = req["argv"][0]
-        sys.argv = list(req["argv"])
-        sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` sets it
-        try:
-            runpy.run_path(script, run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            if e.code is None or isinstance(e.code, int):
-                code = e.code or 0
-            else:  # sys.exit("message"): printed, exit 1, as the interpreter does
-                print(e.code, file=sys.stderr)
-                code = 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)  # sys.exit("message"): printed, exit 1, as the interpreter does
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
 
 
-def _serve_one(conn: socket.socket, server: socket.socket) -> None:
+def _serve_one(conn: socket.socket) -> None:
     with conn, conn.makefile("rw") as f:
         req = json.loads(f.readline())
         pids = []
         for rank in req["ranks"]:
             pid = os.fork()
-            if pid == 0:
-                _child(rank, [conn, server])
+            if pid == 0:  # the rank: leave through the interpreter's normal exit, whatever happens
+                code = 1
+                try:
+                    code = _child(rank)
+                finally:
+                    raise SystemExit(code)
             pids.append(pid)
         f.write(json.dumps({"pids": pids}) + "\n")
         f.flush()
@@ -97,7 +91,7 @@ def main() -> None:
     while True:
         conn, _ = server.accept()
         try:
-            _serve_one(conn, server)
+            _serve_one(conn)
         except (OSError, ValueError):  # the harness gave up on a launch (timeout, interrupted test): next one
             traceback.print_exc()
 
