@@ -196,7 +196,7 @@ def layer_activation_terms(
     """Bytes one layer keeps for backward for one microbatch of ``micro_batch`` x ``seq`` tokens on one rank, by
     term (the module docstring's table); ``seq`` is the rank's sequence length, after CP over ``cp`` ranks."""
     s, b, h, e = seq, micro_batch, model.hidden_size, activation_element_bytes(precision)
-    a, d, gd, f = model.num_attention_heads, model.head_dim, model.kv_heads * model.head_dim, model.ffn_size
+    a, d, gd = model.num_attention_heads, model.head_dim, model.kv_heads * model.head_dim
     sbh = s * b * h
     sp_div = tp if sequence_parallel else 1
     if recompute == "full":
@@ -232,8 +232,23 @@ def layer_activation_terms(
         qkv=qkv / tp,
         attention_output=e * sbh * max(copies, 1) / tp,
         attention_core=core / tp,
-        mlp=0.0 if "mlp" in selective else e * s * b * f * _mlp_widths(model.swiglu, "mlp_act" in selective) / tp,
+        mlp=0.0 if "mlp" in selective else mlp_activation_bytes(model, e, s * b, tp, "mlp_act" in selective),
     )
+
+
+def mlp_activation_bytes(model: ModelConfig, e: float, tokens: int, tp: int, act_recomputed: bool = False) -> float:
+    """The MLP's saved intermediates (mean over layers). Dense: e*T*f*widths/tp (``_mlp_widths``). MoE (moe.py):
+    the same per routed copy (k per token, experts not TP-split, their activation never recomputed), plus each
+    copy's gathered input and expert output (2*e*h), the fp32 router logits and scores (8*E) per token, and the
+    shared expert like a dense MLP."""
+    dense = e * tokens * model.ffn_size * _mlp_widths(model.swiglu, act_recomputed) / tp
+    if model.num_experts is None:
+        return dense
+    k, h, shared = model.moe_router_topk, model.hidden_size, model.moe_shared_expert_intermediate_size or 0
+    moe = e * tokens * k * (model.moe_ffn_size * _mlp_widths(model.swiglu, False) + 2 * h) + 8 * tokens * model.num_experts
+    moe += e * tokens * shared * _mlp_widths(model.swiglu, act_recomputed) / tp
+    n_moe = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    return (n_moe * moe + (model.num_layers - n_moe) * dense) / model.num_layers
 
 
 def layer_activation_bytes(model: ModelConfig, **kwargs: Any) -> float:

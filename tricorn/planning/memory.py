@@ -118,6 +118,7 @@ class Layout:
     last_stage_layers: Optional[int] = None
     device: str = "cuda"
     ddp_bucket_elements: Optional[int] = None  # --ddp-bucket-size; None: the config's default, max(40M, 1M x DP)
+    ep: int = 1  # expert parallel: ranks of DP x CP that split the MoE experts
 
     @property
     def world_size(self) -> int:
@@ -151,6 +152,7 @@ class Layout:
             last_stage_layers=p.decoder_last_pipeline_num_layers,
             device=cfg.device or "cuda",
             ddp_bucket_elements=p.ddp_bucket_size,
+            ep=p.expert_model_parallel_size,
         )
 
 
@@ -171,25 +173,50 @@ def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None, la
 # ---------------------------------------------------------------- parameters
 
 
-def layer_params_per_rank(model: ModelConfig, tp: int = 1) -> int:
-    h, f, gd = model.hidden_size, model.ffn_size, model.kv_heads * model.head_dim
+def _mlp_params(h: int, f: int, swiglu: bool, bias: bool, tp: int) -> int:
+    up = f * (2 if swiglu else 1)
+    return h * up // tp + up // tp * bias + f // tp * h + h * bias  # w1 (gate|up) column parallel, w2 row parallel
+
+
+def expert_params(model: ModelConfig) -> int:
+    """One routed expert's parameters (no biases: MoE needs --disable-bias-linear)."""
+    return _mlp_params(model.hidden_size, model.moe_ffn_size, model.swiglu, False, 1)
+
+
+def mlp_params_per_rank(model: ModelConfig, layer_id: int, tp: int = 1, active: bool = False, ep: int = 1) -> int:
+    """The MLP of layer `layer_id`: dense, or router + experts (all, or the top-k a token uses) + shared expert.
+
+    Routed experts are split over EP and replicated over TP (no expert tensor parallelism); the shared expert
+    is TP-split."""
+    h, bias = model.hidden_size, not model.disable_bias_linear
+    if not model.is_moe_layer(layer_id):
+        return _mlp_params(h, model.ffn_size, model.swiglu, bias, tp)
+    experts = model.moe_router_topk if active else model.num_experts // ep
+    n = model.num_experts * h + experts * expert_params(model)
+    shared = model.moe_shared_expert_intermediate_size
+    return n + (_mlp_params(h, shared, model.swiglu, bias, tp) if shared else 0)
+
+
+def layer_params_per_rank(model: ModelConfig, tp: int = 1, active: bool = False, ep: int = 1) -> int:
+    """Parameters of one layer on one TP rank; for a model mixing MoE and dense MLPs, the mean over its layers."""
+    h, gd = model.hidden_size, model.kv_heads * model.head_dim
     q = model.num_attention_heads * model.head_dim
     bias = not model.disable_bias_linear
     norm = h * (2 if model.normalization == "LayerNorm" else 1)
-    up = f * (2 if model.swiglu else 1)
     n = 2 * norm
     n += h * (q + 2 * gd) // tp + (q + 2 * gd) // tp * bias  # fused QKV, column parallel
     n += q // tp * h + h * bias  # out projection, row parallel (bias replicated)
-    n += h * up // tp + up // tp * bias  # w1 (gate|up), column parallel
-    n += f // tp * h + h * bias  # w2, row parallel
-    return n
+    if model.num_experts is None:
+        return n + mlp_params_per_rank(model, 0, tp)
+    mlps = sum(mlp_params_per_rank(model, i, tp, active, ep) for i in range(model.num_layers))
+    return n + round(mlps / model.num_layers)
 
 
-def stage_params_per_rank(model: ModelConfig, layout: Layout, stage: int, layers: int) -> int:
-    """Parameters one TP rank of pipeline ``stage`` holds."""
+def stage_params_per_rank(model: ModelConfig, layout: Layout, stage: int, layers: int, active: bool = False) -> int:
+    """Parameters one TP rank of pipeline ``stage`` holds (``active``: only the top-k experts a token uses)."""
     h, tp = model.hidden_size, layout.tp
     vocab = model.padded_vocab_size(tp)
-    n = layers * layer_params_per_rank(model, tp)
+    n = layers * layer_params_per_rank(model, tp, active, layout.ep)
     first, last = stage == 0, stage == layout.pp - 1
     if first:
         n += vocab // tp * h
@@ -206,6 +233,11 @@ def stage_params_per_rank(model: ModelConfig, layout: Layout, stage: int, layers
 def total_params(model: ModelConfig) -> int:
     """Unique parameters of the model (tied head counted once), vocabulary padded as for TP = 1."""
     return stage_params_per_rank(model, Layout(), 0, model.num_layers)
+
+
+def active_params(model: ModelConfig) -> int:
+    """Parameters one token goes through: as total_params, with only the top-k routed experts of each MoE layer."""
+    return stage_params_per_rank(model, Layout(), 0, model.num_layers, active=True)
 
 
 # ---------------------------------------------------------------- the estimate

@@ -34,7 +34,7 @@ from tricorn.config import ConfigError, ModelConfig, config_from_args
 from tricorn.planning import calibration
 from tricorn.planning.flops import iteration_flops
 from tricorn.planning.hardware import GiB, get_gpu
-from tricorn.planning.memory import Layout, bytes_per_param, estimate, total_params
+from tricorn.planning.memory import Layout, active_params, bytes_per_param, estimate, total_params
 from tricorn.planning.step_time import Cluster, step_time
 
 CP_MIN_SEQ = 8192  # below this, CP's split attention costs more than its memory saving is worth
@@ -526,6 +526,11 @@ def _model_args(model: ModelConfig) -> list[str]:
     return args + ["--normalization", model.normalization, "--vocab-size", str(model.vocab_size)]
 
 
+def _active_note(model: ModelConfig) -> str:
+    """ " (12.88 B active per token)" for a mixture of experts, else nothing."""
+    return f" ({active_params(model) / 1e9:.2f} B active per token)" if model.num_experts else ""
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -589,7 +594,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(plans, indent=2))
         return 0
     print(
-        f"{name}: {total_params(model) / 1e9:.2f} B parameters, seq {model.seq_length}, global batch {gbs}, {precision} on "
+        f"{name}: {total_params(model) / 1e9:.2f} B parameters{_active_note(model)}, seq {model.seq_length}, global batch {gbs}, {precision} on "
         f"{args.gpus} x {gpu.name} ({args.gpus_per_node} per node), {cluster.usable_bytes / GiB:.1f} GiB usable per GPU\n"
         f"{result.considered} layouts considered, {result.fitting} fit, {result.ties} tie with the fastest; "
         f"top {len(result.plans)}, ties first (simplest first), then by predicted tokens/s:\n" + _table(result.plans)
