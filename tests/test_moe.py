@@ -237,16 +237,39 @@ def test_bad_moe_flags_are_one_line(flags, message):
 
 def test_planning_counts_expert_parallel_params_and_all_to_all_volume():
     from tricorn.config import PRESETS
-    from tricorn.planning.memory import Layout, expert_params, stage_params_per_rank
-    from tricorn.planning.step_time import ep_all_to_all_bytes
+    from tricorn.planning.memory import Layout, estimate, expert_params, stage_params_per_rank
+    from tricorn.planning.step_time import ep_all_to_all_bytes, ep_rows_per_token
 
     mixtral = ModelConfig(**PRESETS["mixtral-8x7b"])
     one, four = (stage_params_per_rank(mixtral, Layout(ep=ep, dp=4), 0, 32) for ep in (1, 4))
     assert one - four == 32 * 6 * expert_params(mixtral)  # each rank keeps 2 of the 8 experts of every layer
-    lay = Layout(ep=8, dp=8, micro_batch=1, precision="bf16")
-    # Every MoE layer: 4 transfers (dispatch, combine; forward and backward) of k copies, 7/8 of them off-rank.
-    assert ep_all_to_all_bytes(mixtral, lay, 4096) == 4 * 4096 * 2 * 4096 * 2 * 7 / 8
+    # The distributed optimizer shards the experts over expert-DP = DP / EP = 1 here: their state is unsharded.
+    lay = Layout(ep=4, dp=4, zero_stage=1, precision="bf16")
+    dense_part = four - 32 * 2 * expert_params(mixtral)
+    assert estimate(mixtral, lay).optimizer_state_bytes == 8 * (dense_part / 4 + 32 * 2 * expert_params(mixtral))
+    # A token goes once to each other rank holding one of its experts. EP = E = 8: its two experts are on two
+    # ranks, one of them this one 1/4 of the time: 2 - 1/4 = 7/4 rows. EP 4: 3 x (1 - C(6,2)/C(8,2)) = 39/28.
+    assert ep_rows_per_token(mixtral, 8) == pytest.approx(7 / 4) and ep_rows_per_token(mixtral, 4) == pytest.approx(39 / 28)
+    # Per row: 4 transfers (dispatch, combine; forward and backward) of h bf16, 2 of E/EP fp32 weights.
+    row = 4 * 4096 * 2 + 2 * 4 * 1
+    assert ep_all_to_all_bytes(mixtral, Layout(ep=8, dp=8, precision="bf16"), 4096) == pytest.approx(4096 * 7 / 4 * row)
     assert ep_all_to_all_bytes(mixtral, Layout(ep=1), 4096) == 0.0
+
+
+def test_planner_searches_expert_parallelism_with_valid_flags():
+    from tricorn.config import PRESETS, config_from_args
+    from tricorn.planning import planner, sbatch
+    from tricorn.planning.hardware import get_gpu
+    from tricorn.planning.step_time import Cluster
+    from tricorn.validation import validate
+
+    mixtral = ModelConfig(**PRESETS["mixtral-8x7b"])
+    gpu = get_gpu("h100-80gb")
+    result = planner.plan(mixtral, Cluster(64, 8, gpu, gpu.peak_tflops("bf16"), 0.10), 256, top_k=20)
+    assert result.plans and any(p.layout.ep > 1 for p in result.plans)
+    for p in result.plans:  # no sequence parallelism, no ZeRO-2/3 with EP: every layout is one the trainer runs
+        flags = sbatch.model_args("mixtral-8x7b", mixtral) + sbatch.layout_args(p.layout, 256) + ["--mock-data", "--bf16"]
+        assert validate(config_from_args(flags, world_size=64)) == [], flags
 
 
 def test_grouped_gemm_matches_the_loop():
@@ -270,3 +293,48 @@ def test_bf16_layer_routes_in_fp32():
     assert out.dtype == torch.bfloat16
     # bf16 keeps 8 bits of mantissa: the expert GEMMs' bf16 intermediates err by a few 2^-8 relative.
     torch.testing.assert_close(out.double(), ref, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize(
+    "kw,dtype",
+    [
+        ({}, torch.float32),
+        ({"moe_router_score_function": "sigmoid", "moe_aux_loss_coeff": 0.01}, torch.float32),
+        ({"moe_router_topk": 1, "moe_router_score_function": "sigmoid", "swiglu": False}, torch.float32),
+        ({"moe_shared_expert_intermediate_size": 8, "moe_aux_loss_coeff": 0.01}, torch.bfloat16),
+        ({}, torch.bfloat16),
+    ],
+    ids=["softmax", "sigmoid-aux", "sigmoid-k1-gelu", "shared-bf16", "bf16"],
+)
+def test_activation_formula_counts_what_the_moe_layer_saves(kw, dtype):
+    """planning/activations.py's MoE term against the saved-tensor probe, byte for byte (dropless: T x k copies)."""
+    from tricorn.planning.activations import layer_activation_bytes
+    from tricorn.training.activation_probe import ActivationProbe
+
+    cfg = cfg_for(num_layers=2, vocab_size=50, num_attention_heads=4, seq_length=16, **kw)
+    torch.manual_seed(0)
+    model = GPTModel(cfg, padded_vocab_size=64)
+    model.init_weights(seed=1)
+    model.to(dtype)
+    tokens = torch.randint(0, 50, (2, 16))
+    with ActivationProbe([model]) as probe:
+        model(tokens, tokens).float().mean().backward()
+    precision = "fp32" if dtype == torch.float32 else "bf16"
+    formula = layer_activation_bytes(cfg, seq=16, micro_batch=2, precision=precision, device="cpu")
+    assert probe.summary().activation_bytes_per_layer == formula
+
+
+def test_simulate_builds_only_local_experts_and_matches_the_estimate():
+    """tricorn simulate at Mixtral's size (4 of its 32 layers) with EP4 x PP2: each rank builds 2 of the 8 experts
+    of its layers, and the estimator says what the run allocates (test_simulate.py's bound)."""
+    from tricorn.simulate import KEYS, config_for_simulation, default_ranks, ratio, simulate
+
+    flags = "--model-preset mixtral-8x7b --num-layers 4 --bf16 --use-distributed-optimizer --micro-batch-size 1"
+    flags += " --global-batch-size 8 --pipeline-model-parallel-size 2 --expert-model-parallel-size 4"
+    cfg = config_for_simulation(flags.split(), 8)
+    for r in simulate(cfg, default_ranks(cfg), iters=1):
+        for key in KEYS:
+            q = ratio(r["estimated"][key], r["measured"][key])
+            assert 0.95 <= q <= 1.05, f"rank {r['rank']} {key}: estimated/measured {q:.3f}"
+        # AdamW's 4-byte step counters are all that the steady-state estimate leaves out (1e-6).
+        assert r["measured"]["model_state_bytes"] == pytest.approx(r["estimated"]["model_state_bytes"], rel=1e-6)

@@ -233,12 +233,35 @@ def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all(w.shape[-1] * x.element_size() % 16 == 0 and w.shape[-2] * x.element_size() % 16 == 0 for w in weights)
 
 
+class _LoopGemm(torch.autograd.Function):
+    """Rows grouped by expert times each expert's weight, one GEMM per expert, written into one output; backward
+    writes each expert's weight gradient into one stacked gradient (autograd over a list of GEMMs would hold the
+    concatenated parts and a per-expert gradient beside the stack)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        out = x.new_empty(x.shape[0], weight.shape[1])
+        for e, (part, rows) in enumerate(zip(x.split(counts), out.split(counts))):
+            torch.mm(part, weight[e].t(), out=rows)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_w = torch.empty_like(x), torch.empty_like(weight)
+        for e, (part, g, gx) in enumerate(zip(x.split(ctx.counts), grad.split(ctx.counts), grad_x.split(ctx.counts))):
+            torch.mm(g, weight[e], out=gx)
+            torch.mm(g.t(), part, out=grad_w[e])
+        return grad_x, grad_w, None
+
+
 def expert_gemm(x: torch.Tensor, weight: torch.Tensor, counts: Optional[list[int]], ends: Optional[torch.Tensor]) -> torch.Tensor:
     """Rows of x grouped by expert (counts[e] rows for expert e) times weight[e].T: [sum counts, out]."""
     if ends is not None:
         return F.grouped_mm(x, weight.transpose(1, 2), offs=ends)
-    parts = x.split(counts)
-    return torch.cat([part @ weight[e].T for e, part in enumerate(parts)]) if parts else x.new_zeros(0, weight.shape[1])
+    return _LoopGemm.apply(x, weight, counts)
 
 
 class Experts(nn.Module):
@@ -272,9 +295,14 @@ def sort_by_expert(experts: torch.Tensor, kept: torch.Tensor, num_experts: int) 
     return order, bincount(flat_e, num_experts + 1)[:num_experts]
 
 
-def combine(x: torch.Tensor, y: torch.Tensor, token: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """The expert outputs `y` of the copies of tokens `token`, weighted by their probabilities, summed per token."""
-    return x.new_zeros(x.shape).index_add(0, token, y * probs.unsqueeze(-1).to(x.dtype))
+def sum_rows(like: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A tensor shaped like `like` whose row i sums the `rows` (times their `weights`) with index i.
+
+    index_put accumulates in index order and keeps only the index for backward (index_add would keep `rows` too).
+    """
+    if weights is not None:
+        rows = rows * weights.unsqueeze(-1).to(rows.dtype)
+    return like.new_zeros(like.shape).index_put((index,), rows, accumulate=True)
 
 
 def local_dispatch(x: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
@@ -287,7 +315,7 @@ def local_dispatch(x: torch.Tensor, routing: Routing, experts: Experts) -> torch
         host = read_counts(counts, routing.balanced)  # the one host read of this layer and microbatch
         order = order[: sum(host)]
     token = order // routing.experts.shape[1]
-    return combine(x, experts(x[token], counts, host), token, routing.probs.flatten()[order])
+    return sum_rows(x, token, experts(x[token], counts, host), routing.probs.flatten()[order])
 
 
 class MoEMLP(nn.Module):

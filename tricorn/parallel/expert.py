@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tricorn.config import Config
-from tricorn.model.moe import Experts, Router, Routing, bincount, read_counts, update_expert_bias
+from tricorn.model.moe import Experts, Router, Routing, bincount, read_counts, sum_rows, update_expert_bias
 from tricorn.model.spec import LayerSpec
 
 
@@ -110,9 +110,8 @@ def ep_dispatch(group, ep_rank: int, ep: int):
         row_weights = _AllToAll.apply(weights[token, rank], recv_rows, send_rows, group)
         per_expert = [sum(r[1 + j] for r in host_recv) for j in range(local)]
         row, expert, counts = _copies_by_expert(row_weights, sum(per_expert))
-        y = experts(rows[row], counts, per_expert) * row_weights[row, expert].unsqueeze(-1).to(x.dtype)
-        back = _AllToAll.apply(rows.new_zeros(rows.shape).index_add(0, row, y), send_rows, recv_rows, group)
-        return x.new_zeros(x.shape).index_add(0, token, back)
+        y = sum_rows(rows, row, experts(rows[row], counts, per_expert), row_weights[row, expert])
+        return sum_rows(x, token, _AllToAll.apply(y, send_rows, recv_rows, group))
 
     return dispatch
 

@@ -25,7 +25,7 @@ No collectives, no device work.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from typing import Optional
 
 from tricorn.config import Config, ModelConfig
@@ -38,7 +38,9 @@ from tricorn.planning.activations import (  # noqa: F401 - re-exported: the esti
     korthikanti_layer_bytes,
     layer_activation_bytes,
     layout_layer_bytes,
+    loss_part_bytes,
     microbatches_in_flight,
+    moe_backward_workspace,
     other_saved_bytes,
     stage_activation_bytes,
 )
@@ -61,6 +63,9 @@ class ModelState:
     @property
     def total(self) -> float:
         return self.params + self.grads + self.master_params + self.optimizer_state
+
+    def __add__(self, other: ModelState) -> ModelState:
+        return ModelState(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
 def bytes_per_param(precision: str, grads_16bit: bool = False) -> tuple[int, int, int, int]:
@@ -235,6 +240,15 @@ def total_params(model: ModelConfig) -> int:
     return stage_params_per_rank(model, Layout(), 0, model.num_layers)
 
 
+def stage_expert_params_per_rank(model: ModelConfig, layout: Layout, layers: int) -> int:
+    """Of ``stage_params_per_rank``: the routed experts' parameters (E/EP per MoE layer, the mean over the layers),
+    which the distributed optimizer shards over expert-DP = DP x CP / EP instead of DP x CP."""
+    if model.num_experts is None:
+        return 0
+    n_moe = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    return round(layers * n_moe / model.num_layers * model.num_experts // layout.ep * expert_params(model))
+
+
 def active_params(model: ModelConfig) -> int:
     """Parameters one token goes through: as total_params, with only the top-k routed experts of each MoE layer."""
     return stage_params_per_rank(model, Layout(), 0, model.num_layers, active=True)
@@ -384,6 +398,12 @@ def estimate(
         raise ValueError("the vocabulary size is unknown: pass --vocab-size N (or --tokenizer-model FILE)")
     p_b, g_b, m_b, o_b = bytes_per_param(layout.precision, layout.grads_16bit)
     shard = layout.dp * layout.cp  # the distributed optimizer shards over the DP x CP group
+
+    def state_of(n: int, dp: int) -> ModelState:
+        return model_state_bytes(
+            n, param_bytes=p_b, grad_bytes=g_b, master_bytes=m_b, optimizer_bytes=o_b, dp=dp, zero_stage=layout.zero_stage
+        )
+
     layers = stage_layer_counts(model.num_layers, layout.pp, layout.first_stage_layers, layout.last_stage_layers)
     best: Optional[MemoryEstimate] = None
     totals = []
@@ -391,17 +411,13 @@ def estimate(
         if stages is not None and stage not in stages:
             continue
         n_params = stage_params_per_rank(model, layout, stage, n_layers)
-        state = model_state_bytes(
-            n_params,
-            param_bytes=p_b,
-            grad_bytes=g_b,
-            master_bytes=m_b,
-            optimizer_bytes=o_b,
-            dp=shard,
-            zero_stage=layout.zero_stage,
-        )
+        n_experts = stage_expert_params_per_rank(model, layout, n_layers)
+        # The distributed optimizer shards the routed experts over expert-DP (DP x CP / EP), the rest over DP x CP.
+        state = state_of(n_params - n_experts, shard) + state_of(n_experts, shard // layout.ep)
         activations = stage_activation_bytes(model, layout, stage, n_layers, profile)
         logits = embedding_logits_bytes(model, layout, stage, profile)
+        # The stage's first MoE layer backward: its workspace, where the last stage's loss part is released.
+        activations += max(0.0, moe_backward_workspace(model, layout) - loss_part_bytes(model, layout, stage, profile))
         buffers = _forward_peak_buffers(model, layout, stage, n_params)
         backward = zero_backward_peak(model, layout, stage, n_layers, n_params, profile)
         if backward is not None and backward[0] + backward[1].total > activations + logits + buffers.total:

@@ -24,14 +24,16 @@ runs by tricorn/planning/calibration.py and stored in tricorn/planning/data/step
   ZeRO-3 gathers each layer's parameters in forward and again in backward and reduce-scatters its gradients,
   prefetching the next layer while one computes: per layer only max(0, transfer - compute) shows, plus the
   first layer's gather; there is no gather after the step.
-- EP (MoE): the all_to_alls of ``ep_all_to_all_bytes`` at the rate of the ep group's link, not overlapped; the
-  MoE MLP's GEMMs are those of the k active experts (``mlp_width_per_rank``).
+- EP (MoE): the all_to_alls of ``ep_all_to_all_bytes`` (each token once per other rank holding one of its
+  experts) at the rate of the ep group's link, not overlapped; the MoE MLP's GEMMs are those of the k active
+  experts (``mlp_width_per_rank``).
 - optimizer: AdamW streams ~OPTIMIZER_BYTES_PER_PARAM bytes per (sharded) parameter through HBM.
 No collectives, no device work.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -113,16 +115,25 @@ def mlp_width_per_rank(model: ModelConfig, tp: int) -> float:
     return sum(widths) / len(widths)
 
 
+def ep_rows_per_token(model: ModelConfig, ep: int) -> float:
+    """Other ranks a token is sent to under expert parallelism (parallel/expert.py sends it once per rank holding
+    one of its k experts), for balanced routing: (EP - 1) x P(one of its experts is on a given rank)."""
+    n, k = model.num_experts, model.moe_router_topk
+    return (ep - 1) * (1 - math.comb(n - n // ep, k) / math.comb(n, k))
+
+
 def ep_all_to_all_bytes(model: ModelConfig, lay: Layout, tokens: float) -> float:
-    """Bytes one rank sends in a layer's MoE all_to_alls per microbatch (mean over layers): k copies of each
-    token's hidden state, the (EP - 1)/EP of them whose expert is elsewhere, dispatched and combined in forward
-    and again in backward (4 transfers; 6 with full recompute)."""
+    """Bytes one rank sends in a layer's MoE all_to_alls per microbatch (mean over layers): each token's hidden
+    state once per other rank holding one of its experts (``ep_rows_per_token``), dispatched and combined in
+    forward and again in backward (4 transfers; 6 with full recompute), and with each row its routing weights
+    for that rank's E/EP experts (fp32) and their gradients (2 transfers; 3)."""
     if model.num_experts is None or lay.ep == 1:
         return 0.0
     moe_fraction = sum(model.is_moe_layer(i) for i in range(model.num_layers)) / model.num_layers
-    transfers = 6 if lay.recompute == "full" else 4
-    e = activation_element_bytes(lay.precision)
-    return moe_fraction * transfers * tokens * model.moe_router_topk * model.hidden_size * e * (lay.ep - 1) / lay.ep
+    full = lay.recompute == "full"
+    row = (6 if full else 4) * model.hidden_size * activation_element_bytes(lay.precision)
+    row += (3 if full else 2) * 4 * model.num_experts // lay.ep
+    return moe_fraction * tokens * ep_rows_per_token(model, lay.ep) * row
 
 
 def _gemm_time(flops: float, smallest: float, peak: float, eff: float) -> float:
