@@ -18,11 +18,15 @@ Theoretical minimum per layout:
                                forward and backward, the embedding output, the head input's gradient)
                                plus the vocab-parallel loss's 3 fp32 [b, s] all-reduces
     TP with SP                 the same volume as reduce-scatters/all-gathers (+ the SP norm grads)
-    EP (MoE all_to_all)        bytes sent to other ranks: each token's hidden state once per other rank
-                               holding one of its experts, there and back, forward and backward (a
-                               token whose k experts share a rank needs to go there once; tricorn sends
-                               each copy, as Megatron does). all_to_all counts the bytes a rank sends
-                               off-rank (no ring factor); the [EP, E/EP] count exchange is included.
+    EP (MoE all_to_all)        hidden-state bytes sent to other ranks: each token once per other rank
+                               holding one of its experts, there and back, forward and backward (the
+                               routing decides it, so each dispatch adds up its own minimum:
+                               tricorn.parallel.expert.A2A_COUNTER). all_to_all counts the bytes a rank
+                               sends off-rank (no ring factor); the EP rows sum the whole ep group (a
+                               rank's combine returns other ranks' tokens). Row "ep": the hidden
+                               states; row "ep+routing": also the routing weights riding along (E/EP
+                               fp32 per row, and their gradients), the [EP, 1 + E/EP] count exchange
+                               and the grad norm's scalar all-reduce.
 
 The data-parallel rows sum the DP and DP x CP groups (the trainer's token-count
 and loss scalars ride on them too). Goal: ratio 1.00.
@@ -83,6 +87,7 @@ COLLECTIVES = {
 @dataclass
 class Counter:
     names: dict[int, str]
+    hidden: int = 0  # all_to_alls of rows this wide on the ep group are hidden states, the rest routing data
     bus_bytes: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     originals: dict = field(default_factory=dict)
@@ -126,9 +131,11 @@ class Counter:
         if kind == "all_to_all":  # all_to_all_single(out, in, out_splits, in_splits): what goes to other ranks
             source = args[1] if len(args) > 1 else kwargs["input"]
             splits = (args[3] if len(args) > 3 else kwargs.get("input_split_sizes")) or [source.shape[0] // p] * p
-            row = source[0].numel() * source.element_size() if source.shape[0] else 0
+            row = source[0].numel() * source.element_size() if source.ndim and source.shape[0] else 0
             mine = splits[dist.get_rank(group)]
             name = self.names.get(id(group), "other")
+            if name == "ep" and (source.ndim < 2 or source.shape[-1] != self.hidden):
+                name = "ep_routing"  # routing weights and counts
             self.calls[name] = self.calls.get(name, 0) + 1
             self.bus_bytes[name] = self.bus_bytes.get(name, 0.0) + (sum(splits) - mine) * row
             return
@@ -139,6 +146,8 @@ class Counter:
         else:
             payload = tensors[0].numel() * tensors[0].element_size()
         name = self.names.get(id(group if group is not None else dist.group.WORLD), "other")
+        if name == "ep":  # the grad norm's scalar sum over the experts' ranks
+            name = "ep_routing"
         self.calls[name] = self.calls.get(name, 0) + 1
         self.bus_bytes[name] = self.bus_bytes.get(name, 0.0) + RING[kind] * (p - 1) / p * payload
 
@@ -178,8 +187,8 @@ def theory(cfg, state, optimizer, ep_minimum: float = 0.0) -> dict[str, float]:
                 out["dp"] = out.get("dp", 0.0) + (size - 1) / size * (grad_volume + numel * param_bytes)
             else:
                 out["dp"] = out.get("dp", 0.0) + 2 * (size - 1) / size * grad_volume
-    if ep_minimum:
-        out["ep"] = 2 * ep_minimum  # backward sends the gradients of the same rows back
+    if ep_minimum:  # dispatch and combine, forward and backward (the gradients of the same rows go back)
+        out["ep"] = out["ep+routing"] = 4 * ep_minimum
     t = state.tp_size
     if t > 1:
         m, tr = cfg.model, cfg.training
@@ -206,9 +215,9 @@ def worker(layout: str) -> None:
     trainer.run_iteration()  # warm-up: first-iteration-only work is not counted
     from tricorn.parallel import expert
 
-    counter = Counter(group_names(state))
+    counter = Counter(group_names(state), hidden=cfg.model.hidden_size)
     counter.install()
-    expert.A2A_COUNTER[0] = {"sent": 0, "minimum": 0}
+    expert.A2A_COUNTER[0] = {"minimum": 0}
     try:
         trainer.run_iteration()
     finally:
@@ -251,11 +260,11 @@ def run_layout(layout: str) -> dict:
 def summarize(layout: str, result: dict) -> list[dict]:
     """One row per parallel dimension: the busiest rank's bytes beside the minimum."""
     rows = []
-    groups = {"dp": ("dp", "dp_cp", "expert_dp"), "tp": ("tp", "mp"), "ep": ("ep",)}
+    groups = {"dp": ("dp", "dp_cp", "expert_dp"), "tp": ("tp", "mp"), "ep": ("ep",), "ep+routing": ("ep", "ep_routing")}
     for row, minimum in result["theory"].items():
-        if row == "ep":  # routing differs per rank: the busiest rank against its own minimum
-            busiest = max(result["ranks"], key=lambda r: r["bus_bytes"].get("ep", 0.0))
-            moved, minimum = busiest["bus_bytes"].get("ep", 0.0), busiest["theory"]["ep"]
+        if row.startswith("ep"):  # routing differs per rank: the whole group's bytes against the whole group's minimum
+            moved = sum(r["bus_bytes"].get(g, 0.0) for r in result["ranks"] for g in groups[row])
+            minimum = sum(r["theory"][row] for r in result["ranks"])
         else:
             moved = max(sum(r["bus_bytes"].get(g, 0.0) for g in groups[row]) for r in result["ranks"])
         calls = max(sum(r["calls"].get(g, 0) for g in groups[row]) for r in result["ranks"])
@@ -278,9 +287,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"{'layout':<28} {'group':<6} {'calls':>6} {'bus bytes/rank':>15} {'minimum':>12} {'ratio':>6}")
+    print(f"{'layout':<30} {'group':<10} {'calls':>6} {'bus bytes/rank':>15} {'minimum':>12} {'ratio':>6}")
     for r in rows:
-        print(f"{r['layout']:<28} {r['group']:<6} {r['calls']:>6} {r['bytes']:>15,.0f} {r['minimum']:>12,.0f} {r['ratio']:>6.3f}")
+        print(
+            f"{r['layout']:<30} {r['group']:<10} {r['calls']:>6} {r['bytes']:>15,.0f} {r['minimum']:>12,.0f} {r['ratio']:>6.3f}"
+        )
 
 
 if __name__ == "__main__":

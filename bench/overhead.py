@@ -9,12 +9,7 @@ iteration of each side after the first: the bare loop reads its loss every
 iteration; the trainer reads once per --log-interval (10 here).
 Not a test: CI never times anything.
 
-With --moe-layer it times one mixture-of-experts layer instead (tricorn/model/moe.py at EP=1, forward +
-backward) against the bare loop most MoE code starts from (Hugging Face Mixtral's: per expert, the
-tokens routed to it found with a mask and run through its weights), on the same tokens and weights.
-
     .venv/bin/python bench/overhead.py [--iters 20] [--hidden 256] [--layers 4] [--seq 256]
-    .venv/bin/python bench/overhead.py --moe-layer [--experts 8] [--topk 2] [--hidden 256] [--seq 256]
 """
 
 from __future__ import annotations
@@ -90,69 +85,14 @@ def trainer_loop(cfg, reads: Optional[list] = None) -> list[float]:
     return times[1:]
 
 
-def moe_layer_times(args) -> tuple[list[float], list[float]]:
-    """(bare loop, tricorn MoEMLP) seconds per forward + backward of one MoE layer on 8 x seq tokens."""
-    import torch.nn.functional as F
-
-    from tricorn.config import ModelConfig
-    from tricorn.model.moe import MoEMLP
-    from tricorn.model.spec import local_spec
-
-    cfg = ModelConfig(
-        hidden_size=args.hidden,
-        ffn_hidden_size=2 * args.hidden,
-        num_experts=args.experts,
-        moe_router_topk=args.topk,
-        swiglu=True,
-        disable_bias_linear=True,
-    )
-    torch.manual_seed(0)
-    layer = MoEMLP(cfg, local_spec())
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    x = torch.randn(8, args.seq, args.hidden, requires_grad=True)
-
-    def bare() -> torch.Tensor:
-        tokens = x.flatten(0, 1)
-        probs, chosen = F.linear(tokens, layer.router.weight).softmax(-1).topk(args.topk, dim=-1)
-        probs = probs / probs.sum(-1, keepdim=True)
-        out = torch.zeros_like(tokens)
-        for e in range(args.experts):
-            rows, slot = torch.where(chosen == e)
-            h = tokens[rows] @ layer.experts.w1[e].T
-            h = F.silu(h[:, 0::2]) * h[:, 1::2]
-            out = out.index_add(0, rows, (h @ layer.experts.w2[e].T) * probs[rows, slot, None])
-        return out.view_as(x)
-
-    times: dict[str, list[float]] = {"bare": [], "tricorn": []}
-    for _ in range(args.repeats):  # alternate so that machine noise hits both sides
-        for name, fn in (("bare", bare), ("tricorn", layer)):
-            for it in range(args.iters):
-                start = time.perf_counter()
-                fn(x).sum().backward() if name == "tricorn" else fn().sum().backward()
-                if it:  # the first call warms up
-                    times[name].append(time.perf_counter() - start)
-    return times["bare"], times["tricorn"]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--moe-layer", action="store_true", help="time one MoE layer against a bare loop over its experts")
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    if args.moe_layer:
-        bare_t, ours_t = (statistics.median(t) for t in moe_layer_times(args))
-        print(f"MoE layer, {args.experts} experts, top-{args.topk}, hidden {args.hidden}, {8 * args.seq} tokens")
-        print(f"bare loop {1000 * bare_t:.1f} ms, tricorn {1000 * ours_t:.1f} ms per forward + backward")
-        print(f"ratio tricorn/bare = {bare_t / ours_t:.3f} (goal >= 0.97)")
-        return
     argv = (
         f"--device cpu --mock-data --num-layers {args.layers} --hidden-size {args.hidden} --num-attention-heads 8 "
         f"--seq-length {args.seq} --micro-batch-size 4 --global-batch-size 8 --train-iters {args.iters} "

@@ -63,7 +63,8 @@ class _AllToAll(torch.autograd.Function):
 
 
 # bench/comm_volume.py sets a dict here: every dispatch then adds the least number of hidden-state bytes any
-# scheme sends to other ranks in forward ("minimum": each token once per other rank holding one of its experts).
+# scheme must send for this rank's tokens in one direction ("minimum": each token once per other rank holding
+# one of its experts, from the routing); dispatch and combine, forward and backward, move it four times.
 A2A_COUNTER: list[Optional[dict]] = [None]
 
 
@@ -104,8 +105,8 @@ def ep_dispatch(group, ep_rank: int, ep: int):
         host_send, host_recv = read_counts(torch.stack([send, recv]), balanced)  # the one host read
         send_rows, recv_rows = [r[0] for r in host_send], [r[0] for r in host_recv]
         token, rank = _rows_by_rank(has, sum(send_rows))
-        if A2A_COUNTER[0] is not None:
-            A2A_COUNTER[0]["minimum"] += (sum(send_rows) - send_rows[ep_rank]) * x.shape[-1] * x.element_size()
+        if A2A_COUNTER[0] is not None:  # tokens x other ranks holding one of their experts (a host read: bench only)
+            A2A_COUNTER[0]["minimum"] += int(has.sum() - has[:, ep_rank].sum()) * x.shape[-1] * x.element_size()
         rows = _AllToAll.apply(x[token], recv_rows, send_rows, group)
         row_weights = _AllToAll.apply(weights[token, rank], recv_rows, send_rows, group)
         per_expert = [sum(r[1 + j] for r in host_recv) for j in range(local)]
