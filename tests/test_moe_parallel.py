@@ -144,11 +144,12 @@ def test_ep2_checkpoint_resumes_at_other_expert_parallel_sizes(results, name):
     if name == "ep2-to-ep2":  # the same layout resumes bit for bit (expert biases and moments included)
         assert resumed["losses"] == saved["losses"][2:] and resumed["grad_norms"] == saved["grad_norms"][2:]
         return
-    # Streaming: a save holds at most one piece (within a bucket) beyond the state, the dense path's bound
-    # (tests/workers/checkpoint_memory.py). A load reads into the live buffers; DCP holds a stored item it reads
-    # until the next one replaces it, plus its pickled read plans: under two buckets, where a gathered expert
-    # stack or a copy of the moments would be several times more.
-    assert saved["save_peak"] <= 1.1 * saved["largest_bucket_bytes"], saved["save_peak"]
+    # Streaming: a save writes from the live buffers and a load reads into them, no tensor copied or gathered.
+    # What they hold beyond the state is DCP's: the pickled save/load plans gathered and scattered by rank 0
+    # (~80 KB per rank here, more with one entry per expert) and on load the stored item it reads. Two
+    # buckets (0.76 MB) bound that at this size; holding a whole expert stack's values and moments at once
+    # (0.9 MB), as a per-parameter all-reduce does, would exceed it.
+    assert saved["save_peak"] <= 2 * saved["largest_bucket_bytes"], saved["save_peak"]
     assert resumed["load_peak"] <= 2 * resumed["largest_bucket_bytes"], resumed["load_peak"]
     # Another EP split reorders fp32 sums from the resume on: the harness's FP32_RTOL reasoning.
     assert_close(resumed["losses"], saved["losses"][2:], what=f"{name} lm loss")
