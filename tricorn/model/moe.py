@@ -8,8 +8,8 @@ Routers (Megatron's --moe-router-score-function):
 - softmax: scores = softmax(logits); the top-k scores renormalised to sum to one (Mixtral's and
   Megatron's softmax over the top-k logits is the same number; with k = 1 the weight is 1).
 - sigmoid: scores = sigmoid(logits); with --moe-router-enable-expert-bias the top-k is chosen on
-  scores + a per-expert bias (DeepSeek-V3's aux-loss-free balancing; the bias is not a parameter:
-  `update_expert_bias` nudges it after each step towards the mean load), weights are the chosen
+  scores + a per-expert bias (DeepSeek-V3's aux-loss-free balancing; the bias has no gradient and no
+  optimizer state: `update_expert_bias` nudges it after each step towards the mean load), weights are the chosen
   scores, normalised to sum to one when k > 1.
 
 Load balancing (--moe-aux-loss-coeff c, Switch/Megatron "aux_loss"): per microbatch and layer
@@ -27,10 +27,11 @@ token order. A dropped copy contributes nothing (its probability is not redistri
 whose k copies are all dropped passes through on the residual only.
 
 Experts hold their weights stacked, w1 [E, ffn (x2 for SwiGLU, gate/up interleaved), h] and
-w2 [E, h, ffn], under one global name each; an expert-parallel split keeps a contiguous range of
-experts (a ShardInfo on dim 0, so init and checkpoints are the same at any split). The expert GEMMs
-run through torch's grouped matmul where the device has it (CUDA, fp32/bf16/fp16, 16-byte aligned
-rows) and as a loop of GEMMs otherwise.
+w2 [E, h, ffn]; an expert-parallel split keeps a contiguous range of experts (a ShardInfo on dim 0),
+and each expert is initialised and checkpointed under a global name of its own (...experts.<e>.w1:
+init.expert_name), so values and checkpoints are the same at any split. The expert GEMMs run through
+torch's grouped matmul where the device has it (CUDA, fp32/bf16/fp16, 16-byte aligned rows) and as one
+GEMM per expert into one output otherwise (`_LoopGemm`).
 
 Host reads: the loop of GEMMs and a capacity that drops copies need the per-expert copy counts on the host
 (their shapes depend on the routing): one read per MoE layer and microbatch (`read_counts`); dropless routing
