@@ -18,11 +18,20 @@ Theoretical minimum per layout:
                                forward and backward, the embedding output, the head input's gradient)
                                plus the vocab-parallel loss's 3 fp32 [b, s] all-reduces
     TP with SP                 the same volume as reduce-scatters/all-gathers (+ the SP norm grads)
+    EP (MoE all_to_all)        hidden-state bytes sent to other ranks: each token once per other rank
+                               holding one of its experts, there and back, forward and backward (the
+                               routing decides it, so each dispatch adds up its own minimum:
+                               tricorn.parallel.expert.A2A_COUNTER). all_to_all counts the bytes a rank
+                               sends off-rank (no ring factor); the EP rows sum the whole ep group (a
+                               rank's combine returns other ranks' tokens). Row "ep": the hidden
+                               states; row "ep+routing": also the routing weights riding along (E/EP
+                               fp32 per row, and their gradients), the [EP, 1 + E/EP] count exchange
+                               and the grad norm's scalar all-reduce.
 
 The data-parallel rows sum the DP and DP x CP groups (the trainer's token-count
 and loss scalars ride on them too). Goal: ratio 1.00.
 
-    .venv/bin/python bench/comm_volume.py [--json]
+    .venv/bin/python bench/comm_volume.py [--json] [--only EP]
 """
 
 from __future__ import annotations
@@ -52,6 +61,10 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "DP=4 ZeRO-3": (4, ["--zero-stage", "3"]),
     "TP=2": (2, ["--tensor-model-parallel-size", "2"]),
     "TP=2 SP": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "DP=4 EP=4 MoE 8 experts top-2": (
+        4,
+        "--num-experts 8 --moe-router-topk 2 --disable-bias-linear --expert-model-parallel-size 4".split(),
+    ),
 }
 # factor of the payload a ring moves per rank, in units of (p-1)/p
 RING = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
@@ -64,6 +77,7 @@ COLLECTIVES = {
     "all_gather_into_tensor": ("all_gather", 2),
     "all_gather": ("all_gather", 2),
     "broadcast": ("broadcast", 2),
+    "all_to_all_single": ("all_to_all", 4),
 }
 
 
@@ -73,6 +87,7 @@ COLLECTIVES = {
 @dataclass
 class Counter:
     names: dict[int, str]
+    hidden: int = 0  # all_to_alls of rows this wide on the ep group are hidden states, the rest routing data
     bus_bytes: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     originals: dict = field(default_factory=dict)
@@ -110,16 +125,29 @@ class Counter:
         import torch
         import torch.distributed as dist
 
+        p = dist.get_world_size(group)
         tensors = [a for a in (*args[:2], *kwargs.values()) if isinstance(a, torch.Tensor)]
         lists = [a for a in args[:2] if isinstance(a, list)]
+        if kind == "all_to_all":  # all_to_all_single(out, in, out_splits, in_splits): what goes to other ranks
+            source = args[1] if len(args) > 1 else kwargs["input"]
+            splits = (args[3] if len(args) > 3 else kwargs.get("input_split_sizes")) or [source.shape[0] // p] * p
+            row = source[0].numel() * source.element_size() if source.ndim and source.shape[0] else 0
+            mine = splits[dist.get_rank(group)]
+            name = self.names.get(id(group), "other")
+            if name == "ep" and (source.ndim < 2 or source.shape[-1] != self.hidden):
+                name = "ep_routing"  # routing weights and counts
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.bus_bytes[name] = self.bus_bytes.get(name, 0.0) + (sum(splits) - mine) * row
+            return
         if kind == "all_gather" and lists:  # all_gather(list_of_outputs, tensor)
             payload = sum(t.numel() * t.element_size() for t in lists[0])
         elif kind == "reduce_scatter" or kind == "all_gather":
             payload = max(t.numel() * t.element_size() for t in tensors)  # the full-size side
         else:
             payload = tensors[0].numel() * tensors[0].element_size()
-        p = dist.get_world_size(group)
         name = self.names.get(id(group if group is not None else dist.group.WORLD), "other")
+        if name == "ep":  # the grad norm's scalar sum over the experts' ranks
+            name = "ep_routing"
         self.calls[name] = self.calls.get(name, 0) + 1
         self.bus_bytes[name] = self.bus_bytes.get(name, 0.0) + RING[kind] * (p - 1) / p * payload
 
@@ -128,7 +156,7 @@ def group_names(state) -> dict[int, str]:
     import torch.distributed as dist
 
     names: dict[int, str] = {}
-    for name in ("tp", "pp", "dp", "cp", "dp_cp", "mp", "embedding"):
+    for name in ("tp", "pp", "dp", "cp", "dp_cp", "mp", "embedding", "ep", "expert_dp"):
         group = getattr(state, f"{name}_group")
         if group is not None:
             names.setdefault(id(group), name)
@@ -136,22 +164,31 @@ def group_names(state) -> dict[int, str]:
     return names
 
 
-def theory(cfg, state, optimizer) -> dict[str, float]:
-    """Minimum bus bytes per rank for this layout, by row ('dp' or 'tp')."""
+def theory(cfg, state, optimizer, ep_minimum: float = 0.0) -> dict[str, float]:
+    """Minimum bus bytes per rank for this layout, by row ('dp', 'tp' or 'ep'; `ep_minimum`: the dispatches' forward)."""
     import torch
 
     out: dict[str, float] = {}
+    from tricorn.model.init import is_expert
+
     params = optimizer.params
-    numel = sum(p.numel() for p in params)
     grad_bytes = torch.finfo(optimizer.opts.grad_dtype).bits // 8
     param_bytes = params[0].element_size()
     p = state.dp_size * state.cp_size
-    if p > 1:
-        grad_volume = numel * grad_bytes
-        if optimizer.opts.distributed:
-            out["dp"] = (p - 1) / p * (grad_volume + numel * param_bytes)
-        else:
-            out["dp"] = 2 * (p - 1) / p * grad_volume
+    # MoE experts are reduced over their expert-DP group only (DP x CP / EP ranks).
+    ep = cfg.parallel.expert_model_parallel_size
+    for size, numel in (
+        (p, sum(q.numel() for q in params if not is_expert(q))),
+        (p // ep, sum(q.numel() for q in params if is_expert(q))),
+    ):
+        if size > 1 and numel:
+            grad_volume = numel * grad_bytes
+            if optimizer.opts.distributed:
+                out["dp"] = out.get("dp", 0.0) + (size - 1) / size * (grad_volume + numel * param_bytes)
+            else:
+                out["dp"] = out.get("dp", 0.0) + 2 * (size - 1) / size * grad_volume
+    if ep_minimum:  # dispatch and combine, forward and backward (the gradients of the same rows go back)
+        out["ep"] = out["ep+routing"] = 4 * ep_minimum
     t = state.tp_size
     if t > 1:
         m, tr = cfg.model, cfg.training
@@ -176,16 +213,21 @@ def worker(layout: str) -> None:
     state = init_parallel(cfg)
     trainer, _ = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)
     trainer.run_iteration()  # warm-up: first-iteration-only work is not counted
-    counter = Counter(group_names(state))
+    from tricorn.parallel import expert
+
+    counter = Counter(group_names(state), hidden=cfg.model.hidden_size)
     counter.install()
+    expert.A2A_COUNTER[0] = {"minimum": 0}
     try:
         trainer.run_iteration()
     finally:
         counter.uninstall()
+    ep_minimum = expert.A2A_COUNTER[0]["minimum"]
     rows = [None] * state.world_size
-    dist.all_gather_object(rows, {"bus_bytes": counter.bus_bytes, "calls": counter.calls})
+    mine = {"bus_bytes": counter.bus_bytes, "calls": counter.calls, "theory": theory(cfg, state, trainer.optimizer, ep_minimum)}
+    dist.all_gather_object(rows, mine)
     if state.rank == 0:
-        print("RESULT " + json.dumps({"ranks": rows, "theory": theory(cfg, state, trainer.optimizer)}), flush=True)
+        print("RESULT " + json.dumps({"ranks": rows, "theory": rows[0]["theory"]}), flush=True)
     destroy_parallel()
 
 
@@ -218,9 +260,13 @@ def run_layout(layout: str) -> dict:
 def summarize(layout: str, result: dict) -> list[dict]:
     """One row per parallel dimension: the busiest rank's bytes beside the minimum."""
     rows = []
-    groups = {"dp": ("dp", "dp_cp"), "tp": ("tp", "mp")}
+    groups = {"dp": ("dp", "dp_cp", "expert_dp"), "tp": ("tp", "mp"), "ep": ("ep",), "ep+routing": ("ep", "ep_routing")}
     for row, minimum in result["theory"].items():
-        moved = max(sum(r["bus_bytes"].get(g, 0.0) for g in groups[row]) for r in result["ranks"])
+        if row.startswith("ep"):  # routing differs per rank: the whole group's bytes against the whole group's minimum
+            moved = sum(r["bus_bytes"].get(g, 0.0) for r in result["ranks"] for g in groups[row])
+            minimum = sum(r["theory"][row] for r in result["ranks"])
+        else:
+            moved = max(sum(r["bus_bytes"].get(g, 0.0) for g in groups[row]) for r in result["ranks"])
         calls = max(sum(r["calls"].get(g, 0) for g in groups[row]) for r in result["ranks"])
         rows.append(
             {"layout": layout, "group": row, "calls": calls, "bytes": moved, "minimum": minimum, "ratio": moved / minimum}
@@ -232,17 +278,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--only", default="", help="run only the layouts whose name contains this (e.g. EP)")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
         return
-    rows = [row for layout in LAYOUTS for row in summarize(layout, run_layout(layout))]
+    rows = [row for layout in LAYOUTS if args.only in layout for row in summarize(layout, run_layout(layout))]
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"{'layout':<28} {'group':<6} {'calls':>6} {'bus bytes/rank':>15} {'minimum':>12} {'ratio':>6}")
+    print(f"{'layout':<30} {'group':<10} {'calls':>6} {'bus bytes/rank':>15} {'minimum':>12} {'ratio':>6}")
     for r in rows:
-        print(f"{r['layout']:<28} {r['group']:<6} {r['calls']:>6} {r['bytes']:>15,.0f} {r['minimum']:>12,.0f} {r['ratio']:>6.3f}")
+        print(
+            f"{r['layout']:<30} {r['group']:<10} {r['calls']:>6} {r['bytes']:>15,.0f} {r['minimum']:>12,.0f} {r['ratio']:>6.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -91,6 +91,22 @@ class ModelConfig:
         ["core_attn"], "Modules recomputed by selective recompute.", nargs="+", choices=["core_attn", "mlp", "norm", "mlp_act"]
     )
     transformer_impl: str = _f("local", "Layer implementation.", choices=["local", "transformer_engine"])
+    # Mixture of experts (README "Mixture of experts"); dense MLPs without --num-experts.
+    num_experts: Optional[int] = _f(None, "Experts per MoE layer (turns the MLP into a mixture of experts).", bound=AT_LEAST_1)
+    moe_router_topk: int = _f(2, "Experts each token is routed to.", bound=AT_LEAST_1)
+    moe_ffn_hidden_size: Optional[int] = _f(None, "Inner width of each expert (default: --ffn-hidden-size).", bound=AT_LEAST_1)
+    moe_layer_freq: int = _f(1, "Every N-th layer (0, N, 2N, ...) is MoE, the others dense.", bound=AT_LEAST_1)
+    moe_shared_expert_intermediate_size: Optional[int] = _f(
+        None, "Inner width of a shared expert every token also goes through.", bound=AT_LEAST_1
+    )
+    moe_router_score_function: str = _f("softmax", "Router scores.", choices=["softmax", "sigmoid"])
+    moe_router_enable_expert_bias: bool = _f(False, "Per-expert routing bias for aux-loss-free balancing (sigmoid).")
+    moe_router_bias_update_rate: float = _f(1e-3, "Step of the expert bias update per iteration.", bound=NON_NEGATIVE)
+    moe_aux_loss_coeff: float = _f(0.0, "Weight of the load-balancing auxiliary loss.", bound=NON_NEGATIVE)
+    moe_expert_capacity_factor: Optional[float] = _f(
+        None, "Drop token copies beyond ceil(tokens*topk/experts*factor) per expert (default: dropless).", bound=POSITIVE
+    )
+    moe_token_drop_policy: str = _f("probs", "Which copies an expert over capacity keeps.", choices=["probs", "position"])
 
     @property
     def kv_heads(self) -> int:
@@ -105,6 +121,13 @@ class ModelConfig:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         return 4 * self.hidden_size
+
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.num_experts is not None and layer_id % self.moe_layer_freq == 0
 
     @property
     def max_positions(self) -> int:
@@ -122,6 +145,7 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = _f(1, "PP: pipeline stages.", bound=AT_LEAST_1)
     context_parallel_size: int = _f(1, "CP: ranks that split the sequence of each sample.", bound=AT_LEAST_1)
     sequence_parallel: bool = _f(False, "Shard norms/dropout activations along the sequence over TP.")
+    expert_model_parallel_size: int = _f(1, "EP: ranks of DP x CP that split each MoE layer's experts.", bound=AT_LEAST_1)
     num_layers_per_virtual_pipeline_stage: Optional[int] = _f(
         None, "Layers per model chunk (interleaved 1F1B).", bound=AT_LEAST_1
     )
@@ -357,6 +381,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         rotary_base=1000000.0,
     ),
 }
+PRESETS["moe-tiny"] = {**PRESETS["tiny"], "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 128}
+PRESETS["mixtral-8x7b"] = dict(
+    num_layers=32,
+    hidden_size=4096,
+    ffn_hidden_size=14336,
+    num_attention_heads=32,
+    num_query_groups=8,
+    group_query_attention=True,
+    seq_length=4096,
+    max_position_embeddings=32768,
+    vocab_size=32000,
+    rotary_base=1000000.0,
+    num_experts=8,
+    moe_router_topk=2,
+    moe_aux_loss_coeff=0.02,
+)
 _LLAMA_COMMON = dict(
     swiglu=True,
     disable_bias_linear=True,
@@ -366,7 +406,7 @@ _LLAMA_COMMON = dict(
     norm_epsilon=1e-5,
 )
 for _name, _shape in PRESETS.items():
-    if _name != "tiny":
+    if _name not in ("tiny", "moe-tiny"):
         PRESETS[_name] = {**_LLAMA_COMMON, **_shape}
 
 

@@ -13,7 +13,9 @@ data, so 70B costs no memory): the process mesh, the model chunks (built hollow,
 materialised), parallel layers, recompute, optimizer and ZeRO, the pipeline schedule, and K training
 iterations. Only what needs values is synthetic, from outside the trainer: the data loader yields
 all-zero batches, and every value read on the host (``.item()``: the loss, the grad norm, the fp16
-overflow flag) reads 0, so no step is skipped and the NaN check passes.
+overflow flag) reads 0, so no step is skipped and the NaN check passes. A mixture of experts routes
+balanced (moe.balanced_routing: T*k/E token copies per expert, at most the capacity), so each rank
+builds only its E/EP experts and runs them, and the all_to_alls, at their expected sizes.
 
 Measured during iteration 1 (training/peak.py): the peak bytes and the split by kind at the peak; after it:
 the steady-state model-state bytes (memory_report.measure) and the bytes one transformer layer saves for
@@ -149,6 +151,7 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
 
 def measure_rank(cfg: Config, rank: int, iters: int) -> dict:
     """Build and train `iters` iterations as world rank `rank` on fake tensors; what iteration 1 used."""
+    from tricorn.model.moe import balanced_routing
     from tricorn.parallel.state import init_parallel
     from tricorn.training.activation_probe import trainer_report_entry
     from tricorn.training.loop import Trainer
@@ -157,7 +160,7 @@ def measure_rank(cfg: Config, rank: int, iters: int) -> dict:
 
     with fake_world(rank, cfg.world_size):
         state = init_parallel(cfg)
-        with SimulationMode():
+        with SimulationMode(), balanced_routing():
             chunks, optimizer, forward_backward, _ = build(cfg, state)
             loader = SyntheticLoader(cfg, state.dp_size)
             trainer = Trainer(cfg, state, chunks, optimizer, loader, None, None, forward_backward)

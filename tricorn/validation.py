@@ -103,7 +103,38 @@ def validate(cfg: Config) -> list[str]:
             "FP8 and differ from the forward it replays; drop one of them"
         )
     if not errs:  # each feature validates its own flags once the basic shape is sound
-        errs += validate_pipeline(cfg) + validate_rampup(cfg) + validate_recompute(cfg)
+        errs += validate_pipeline(cfg) + validate_rampup(cfg) + validate_recompute(cfg) + validate_moe(cfg)
+    return errs
+
+
+def validate_moe(cfg: Config) -> list[str]:
+    """The mixture-of-experts flags (README "Mixture of experts"), one sentence per problem."""
+    m, p = cfg.model, cfg.parallel
+    moe_flags = m.moe_expert_capacity_factor or m.moe_aux_loss_coeff or m.moe_shared_expert_intermediate_size
+    ep = p.expert_model_parallel_size
+    if m.num_experts is None:
+        needs = moe_flags or m.moe_router_enable_expert_bias or ep > 1
+        return ["--moe-* flags and --expert-model-parallel-size need --num-experts"] if needs else []
+    errs = []
+    if m.num_experts % ep != 0:
+        errs.append(f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+    dp_cp = cfg.data_parallel_size * p.context_parallel_size
+    if dp_cp % ep != 0:
+        errs.append(f"--expert-model-parallel-size {ep} must divide DP x CP = {dp_cp} (experts split over data-parallel ranks)")
+    if ep > 1 and p.zero_stage_in_effect > 1:
+        errs.append(f"--expert-model-parallel-size > 1 supports --zero-stage 1 only, got {p.zero_stage}")
+    if m.moe_router_topk > m.num_experts:
+        errs.append(f"--moe-router-topk {m.moe_router_topk} exceeds --num-experts {m.num_experts}")
+    if not m.disable_bias_linear:
+        errs.append("--num-experts needs --disable-bias-linear (experts have no biases, as in Mixtral and DeepSeek)")
+    if p.sequence_parallel:
+        errs.append("--num-experts with --sequence-parallel is not supported yet; drop --sequence-parallel")
+    statistics = m.moe_aux_loss_coeff or m.moe_expert_capacity_factor or m.moe_router_enable_expert_bias
+    if p.context_parallel_size > 1 and statistics:
+        errs.append(
+            "--context-parallel-size > 1 with the aux loss, token dropping or the expert bias is not supported yet "
+            "(the router statistics would cover one sequence chunk)"
+        )
     return errs
 
 

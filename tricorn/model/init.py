@@ -8,7 +8,9 @@ describe their slice with a ShardInfo attached to the parameter; the model
 itself never knows how it is split.
 
 Cost: each rank draws the full tensor of each of its parameters once, one at a
-time (transient memory: the largest single weight). No collectives.
+time (transient memory: the largest single weight); a mixture of experts' stacked
+weights are drawn expert by expert under each expert's global name, so a rank
+draws only its own experts. No collectives.
 
 Building without memory: the trainer builds the model under the meta device,
 turns the parameters into *hollow* ones (right shape, dtype and device, 0-byte
@@ -54,6 +56,19 @@ class ShardInfo:
 SHARD_ATTR = "tricorn_shard"
 INIT_KEY_ATTR = "tricorn_init_key"  # a parameter that must equal another one (tied head copy)
 BUILD_NAME_ATTR = "tricorn_build_name"  # a hollow parameter's name in its model (wrappers may rename it later)
+# A routed expert's stacked weights [E, ...]: split over the ep group (a ShardInfo on dim 0), replicated over TP,
+# reduced over expert-DP. Each expert e has a global name of its own (`expert_name`) for init and checkpoints.
+EXPERT_ATTR = "tricorn_expert"
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    return getattr(p, EXPERT_ATTR, False)
+
+
+def expert_name(name: str, expert: int) -> str:
+    """The global name of expert `expert` of the stacked weight `name`: layers.0.mlp.experts.w1 -> ...experts.3.w1."""
+    prefix, leaf = name.rsplit(".", 1)
+    return f"{prefix}.{expert}.{leaf}"
 
 
 def shard_info(p: torch.Tensor) -> Optional[ShardInfo]:
@@ -71,10 +86,10 @@ def global_shape(p: torch.Tensor) -> tuple[int, ...]:
 def _std_for(name: str, std: float, num_layers: int) -> Optional[float]:
     """None means 'constant' (norm weights 1, biases 0)."""
     leaf = name.rsplit(".", 1)[-1]
-    if leaf == "bias" or "norm" in name:
+    if leaf.endswith("bias") or "norm" in name:  # also the MoE router's expert_bias
         return None
     # GPT-2 / Megatron: residual output projections are scaled by 1/sqrt(2L).
-    if name.endswith(("attention.wo.weight", "mlp.w2.weight")):
+    if name.endswith(("attention.wo.weight", "mlp.w2.weight", "mlp.experts.w2", "shared_expert.w2.weight")):
         return std / math.sqrt(2.0 * num_layers)
     return std
 
@@ -103,8 +118,13 @@ class InitSpec:
         p_std = _std_for(key, self.std, self.num_layers)
         if p_std is None:
             return torch.full(tuple(p.shape), 0.0 if key.endswith("bias") else 1.0, device=device)
-        full = full_value(key, global_shape(p), p_std, self.seed, device)
         info = shard_info(p)
+        if is_expert(p):  # each local expert from its own global name: no rank draws the other ranks' experts
+            local = torch.empty(tuple(p.shape), device=device)
+            for j in range(p.shape[0]):
+                local[j] = full_value(expert_name(key, info.real_range()[0] + j), tuple(p.shape[1:]), p_std, self.seed, device)
+            return local
+        full = full_value(key, global_shape(p), p_std, self.seed, device)
         if info is None:
             return full
         start, count = info.real_range()

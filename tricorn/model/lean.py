@@ -129,8 +129,13 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = h[..., 0::2], h[..., 1::2]
         sig = torch.sigmoid(gate)
         out = torch.empty_like(h)
-        out[..., 0::2] = grad * up * sig * (1 + gate * (1 - sig))
-        out[..., 1::2] = grad * gate * sig
+        d_gate, d_up = out[..., 0::2], out[..., 1::2]
+        # grad * up * sig * (1 + gate * (1 - sig)) and grad * gate * sig, in that order, computed in place in the
+        # output (d_up holds the second factor first): no temporary beyond sig.
+        torch.mul(grad, up, out=d_gate).mul_(sig)
+        torch.neg(sig, out=d_up).add_(1).mul_(gate).add_(1)
+        d_gate.mul_(d_up)
+        torch.mul(grad, gate, out=d_up).mul_(sig)
         return out
 
 

@@ -97,6 +97,10 @@ class LayerSpec:
     # Ranks that split the sequence of the hidden states between blocks (TP under sequence parallelism):
     # a pipeline stage that receives hidden states rebuilds the full local sequence length from it.
     sequence_shards: int = 1
+    # Expert parallelism (tricorn/parallel/expert.py): this rank's (ep rank, ep size), and the function
+    # that runs token copies through experts spread over the ep group; None runs them locally (moe.py).
+    expert_parallel: tuple[int, int] = (0, 1)
+    expert_dispatch: Optional[Callable[..., torch.Tensor]] = None
 
     def __post_init__(self) -> None:
         if self.norm is None:

@@ -3,7 +3,7 @@
     tokens -> embedding (+ learned positions) -> [block] x L -> final norm -> head -> loss
     block:  x + attn(norm(x)) then x + mlp(norm(x)), pre-norm, dropout on both branches
     attn:   fused QKV (grouped by key/value head), RoPE, causal SDPA, output projection
-    mlp:    SwiGLU (gate and up fused, interleaved) or GeLU
+    mlp:    SwiGLU (gate and up fused, interleaved) or GeLU; or a mixture of experts (moe.py)
 
 Activations are [batch, seq, hidden]. Norms, softmax and the loss run in fp32.
 
@@ -41,6 +41,7 @@ from tricorn.model.dropout import (
 from tricorn.model.init import INIT_KEY_ATTR, SHARD_ATTR, ShardInfo, init_weights, shard_info
 from tricorn.model.layers import RopeScaling, Rotary
 from tricorn.model.lean import split_qkv_rope, swiglu
+from tricorn.model.moe import MoEMLP
 from tricorn.model.spec import LayerSpec, local_spec
 
 
@@ -91,16 +92,23 @@ class Activation(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, ffn_size: Optional[int] = None):
         super().__init__()
         self.act = Activation(cfg.swiglu)
         bias = not cfg.disable_bias_linear
+        ffn = ffn_size or cfg.ffn_size
         # SwiGLU rows interleave (gate_i, up_i) so any contiguous slice holds whole pairs.
-        self.w1 = spec.column_linear(cfg.hidden_size, cfg.ffn_size * (2 if cfg.swiglu else 1), bias=bias)
-        self.w2 = spec.row_linear(cfg.ffn_size, cfg.hidden_size, bias=bias)
+        self.w1 = spec.column_linear(cfg.hidden_size, ffn * (2 if cfg.swiglu else 1), bias=bias)
+        self.w2 = spec.row_linear(ffn, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.act(self.w1(x)))
+
+
+def moe_mlp(cfg: ModelConfig, spec: LayerSpec) -> MoEMLP:
+    """The mixture-of-experts MLP (moe.py), with its optional shared expert built like a dense MLP."""
+    shared = cfg.moe_shared_expert_intermediate_size
+    return MoEMLP(cfg, spec, MLP(cfg, spec, ffn_size=shared) if shared else None)
 
 
 class TransformerBlock(nn.Module):
@@ -112,7 +120,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = spec.norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon)
         self.attention = Attention(cfg, spec, layer_id)
         self.mlp_norm = spec.norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon)
-        self.mlp = MLP(cfg, spec)
+        self.mlp = moe_mlp(cfg, spec) if cfg.is_moe_layer(layer_id) else MLP(cfg, spec)
         self.hidden_dropout = cfg.hidden_dropout
 
     def _dropout(

@@ -32,6 +32,9 @@ Stages (Megatron's DDP + distributed optimizer, and ZeRO-2/3):
   3  ZeRO-3. As 2, with one bucket per layer and the parameters sharded as well
      (zero3.py gathers a layer's parameters around its forward and backward).
 
+MoE experts sit in buckets of their own, reduced (and sharded) over the expert-DP group under expert
+parallelism (state.replica_group; expert.py), everything else over DP x CP.
+
 Communication per iteration (N gradient elements on a rank, p = DP x CP size):
 stage 0 one all-reduce of N; stages 1-2 a reduce-scatter of N (per microbatch
 in stage 2) plus an all-gather of N parameters - the same bytes as the
@@ -51,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tricorn.config import Config
-from tricorn.model.init import InitSpec, is_hollow
+from tricorn.model.init import InitSpec, is_expert, is_hollow
 from tricorn.parallel.buckets import plan_buckets
 from tricorn.parallel.grads import is_tied_copy, is_tied_embedding
 from tricorn.parallel.state import ParallelState
@@ -230,8 +233,9 @@ class DataParallel:
             # stages shard them identically and the embedding all-reduce can act on owned shards only.
             tied = {id(p) for n, p in named if is_tied_embedding(n) or is_tied_copy(p)}
             separate = opts.distributed and state.embedding_group is not None
-            groups = plan_param_buckets(params, opts.bucket_size, lambda p: separate and id(p) in tied)
-        self.buckets = [Bucket(i, g, opts, self.group) for i, g in enumerate(groups) if g]
+            # MoE experts sit alone too: their bucket reduces over the expert-DP group (expert.py).
+            groups = plan_param_buckets(params, opts.bucket_size, lambda p: (separate and id(p) in tied) or is_expert(p))
+        self.buckets = [Bucket(i, g, opts, state.replica_group(is_expert(g[0]))) for i, g in enumerate(groups) if g]
         self.slot_of: dict[int, tuple[Bucket, Slot]] = {id(s.param): (b, s) for b in self.buckets for s in b.slots}
         if len(self.slot_of) != sum(len(b.slots) for b in self.buckets) or len(self.slot_of) != len(params):
             raise ValueError("every trainable parameter must sit in exactly one bucket (a parameter shared by two ZeRO-3 units?)")

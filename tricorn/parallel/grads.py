@@ -12,7 +12,10 @@ The global norm counts every parameter exactly once: TP shards on every TP rank,
 TP-replicated parameters on TP rank 0 only, a tied head copy not at all (its
 twin on the first stage counts), DP/CP replicas once (their gradients are equal
 after the DP reduction; sharded optimizers pass their own DP-sharded squares).
-One all-reduce of a scalar over TP x PP (plus DP when grads are DP-sharded). The norm stays a
+MoE experts are split over EP and replicated over TP: counted on TP rank 0, their
+squares summed over the ep group (under a sharded optimizer the DP x CP sum
+already covers every expert once).
+One all-reduce of a scalar over TP x PP (plus DP when grads are DP-sharded, or EP). The norm stays a
 device tensor and clipping is branch-free, so neither reads a value on the host.
 """
 
@@ -25,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tricorn.model.init import INIT_KEY_ATTR, shard_info
+from tricorn.model.init import INIT_KEY_ATTR, is_expert, shard_info
 from tricorn.parallel.state import ParallelState
 
 
@@ -50,7 +53,7 @@ def counts_for_norm(p: torch.Tensor, state: ParallelState) -> bool:
     if is_tied_copy(p):
         return False
     info = shard_info(p)
-    tp_sharded = info is not None and info.world > 1
+    tp_sharded = info is not None and info.world > 1 and not is_expert(p)  # experts: split over ep, replicated over TP
     return tp_sharded or state.tp_rank == 0
 
 
@@ -90,15 +93,24 @@ def global_grad_norm(
     params: Iterable[torch.Tensor], state: ParallelState, dp_sharded: bool = False, grad_fn: GradFn = grad_of
 ) -> torch.Tensor:
     """L2 norm over the whole model, every parameter counted once (see module docstring); a 0-dim device tensor."""
-    grads = [g for p in params if (g := grad_fn(p)) is not None and g.numel() and counts_for_norm(p, state)]
-    squares = torch.zeros((), dtype=torch.float32, device=state.device)
-    if grads:  # one fused kernel per dtype/device group instead of a Python loop of pow/sum
-        # With --optimizer-cpu-offload the gradients are host staging buffers; NCCL reduces device tensors only.
-        squares = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).pow(2).sum().to(state.device)
+    counted = [(p, g) for p in params if (g := grad_fn(p)) is not None and g.numel() and counts_for_norm(p, state)]
+    squares = _squares([g for p, g in counted if not is_expert(p)], state.device)
+    experts = _squares([g for p, g in counted if is_expert(p)], state.device)
+    if state.ep_group is not None and not dp_sharded:  # each ep rank holds other experts (sharded: the DP sum covers ep)
+        dist.all_reduce(experts, group=state.ep_group)
+    squares = squares + experts
     dist.all_reduce(squares, group=state.mp_group)
     if dp_sharded:
         dist.all_reduce(squares, group=state.dp_cp_group)
     return squares.sqrt()
+
+
+def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of `grads` in fp32 on `device`; one fused kernel per dtype/device group, not a Python loop."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    # With --optimizer-cpu-offload the gradients are host staging buffers; NCCL reduces device tensors only.
+    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).pow(2).sum().to(device)
 
 
 def clip_grads(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor, grad_fn: GradFn = grad_of) -> None:

@@ -10,6 +10,9 @@ groups every other module receives explicitly (no module globals):
     dp_cp_group  gradient reduction group (DP and CP both hold full replicas)
     pp_group     pipeline neighbours
     mp_group     TP x PP: every rank that holds a different part of one replica
+    ep_group, expert_dp_group  with --expert-model-parallel-size EP: EP consecutive ranks of each
+                 DP x CP group split the MoE experts; the DP x CP / EP ranks holding the same
+                 experts reduce their gradients (Megatron's expert-DP)
 
 Launch: torchrun's RANK/WORLD_SIZE/LOCAL_RANK, or srun's SLURM_PROCID/
 SLURM_NTASKS/SLURM_LOCALID with MASTER_ADDR from the first host of the node
@@ -51,6 +54,10 @@ class ParallelState:
     mp_group: dist.ProcessGroup
     # First and last pipeline stage of this rank's pipeline (tied embedding copies); None without PP.
     embedding_group: Optional[dist.ProcessGroup] = None
+    # Expert parallelism (expert.py): the ep ranks that split the experts, and the expert-DP ranks that hold the
+    # same experts (DP x CP / EP of them), which reduce the experts' gradients. Both None without EP.
+    ep_group: Optional[dist.ProcessGroup] = None
+    expert_dp_group: Optional[dist.ProcessGroup] = None
 
     def size(self, dim: str) -> int:
         return self.mesh.size(self.mesh.mesh_dim_names.index(dim))
@@ -101,6 +108,11 @@ class ParallelState:
     def pp_global_rank(self, pp_rank: int) -> int:
         """World rank of the pipeline peer at `pp_rank` in this rank's pipeline."""
         return dist.get_global_rank(self.pp_group, pp_rank % self.pp_size)
+
+    def replica_group(self, expert: bool) -> dist.ProcessGroup:
+        """The ranks holding the same copy of a parameter, which reduce its gradient: the expert-DP group for a
+        MoE expert under EP, DP x CP for everything else."""
+        return self.expert_dp_group if expert and self.expert_dp_group is not None else self.dp_cp_group
 
     def grid_name(self) -> str:
         return f"pp{self.pp_rank}_dp{self.dp_rank}_cp{self.cp_rank}_tp{self.tp_rank}"
@@ -188,7 +200,28 @@ def init_parallel(cfg: Config, init_method: Optional[str] = None) -> ParallelSta
         cp_group=mesh.get_group("cp"),
         dp_cp_group=mesh["dp", "cp"]._flatten("dp_cp").get_group(),
         mp_group=mesh["pp", "tp"]._flatten("pp_tp").get_group(),
+        **_expert_groups(mesh, rank, cfg.parallel.expert_model_parallel_size),
     )
+
+
+def expert_rank_grid(mesh: DeviceMesh, ep: int) -> torch.Tensor:
+    """World ranks as [pp x tp, expert-DP, ep]: each DP x CP replica set (cp fastest) cut into runs of ep."""
+    return mesh.mesh.permute(0, 3, 1, 2).reshape(-1, mesh.mesh.shape[1] * mesh.mesh.shape[2] // ep, ep)
+
+
+def _expert_groups(mesh: DeviceMesh, rank: int, ep: int) -> dict[str, dist.ProcessGroup]:
+    """ep and expert-DP groups: each DP x CP group (cp fastest) cut into runs of `ep` consecutive ranks; every rank
+    creates every group, in the same order (Megatron's convention: expert-DP = DP x CP / EP)."""
+    if ep == 1:
+        return {}
+    out: dict[str, dist.ProcessGroup] = {}
+    for cut in expert_rank_grid(mesh, ep):  # [expert-DP, ep] per (pp, tp)
+        for kind, groups in (("ep_group", cut.tolist()), ("expert_dp_group", cut.t().tolist())):
+            for members in groups:
+                group = dist.new_group(members)
+                if rank in members:
+                    out[kind] = group
+    return out
 
 
 def _embedding_group(mesh: DeviceMesh, rank: int) -> Optional[dist.ProcessGroup]:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tricorn.data.base import Batch
+from tricorn.model.moe import set_aux_loss_scale
 from tricorn.timers import NULL_TIMERS, Timers
 
 
@@ -36,6 +37,11 @@ class StepContext:
     timers: Timers = NULL_TIMERS
 
 
+def set_moe_aux_weight(ctx: StepContext, mb: Batch) -> None:
+    """Before a microbatch's backward: its MoE aux losses weigh its share of the batch's tokens (times the loss scale)."""
+    set_aux_loss_scale(ctx.optimizer.scale_loss(mb.loss_mask.sum() / ctx.num_tokens))
+
+
 def microbatch_loss(model: nn.Module, mb: Batch, num_tokens: torch.Tensor) -> torch.Tensor:
     per_token = model(mb.tokens, mb.labels, mb.sample_ids)
     return (per_token * mb.loss_mask).sum() / num_tokens
@@ -53,6 +59,7 @@ def forward_backward_no_pipelining(chunks: list[nn.Module], microbatches: list[B
         else:
             with ctx.optimizer.microbatch(is_last=i == len(microbatches) - 1):
                 loss = microbatch_loss(model, mb, ctx.num_tokens)
+                set_moe_aux_weight(ctx, mb)
                 ctx.optimizer.scale_loss(loss).backward()
         total += loss.detach().float()
     return total

@@ -82,6 +82,7 @@ No collectives, no device work.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Optional
@@ -196,7 +197,7 @@ def layer_activation_terms(
     """Bytes one layer keeps for backward for one microbatch of ``micro_batch`` x ``seq`` tokens on one rank, by
     term (the module docstring's table); ``seq`` is the rank's sequence length, after CP over ``cp`` ranks."""
     s, b, h, e = seq, micro_batch, model.hidden_size, activation_element_bytes(precision)
-    a, d, gd, f = model.num_attention_heads, model.head_dim, model.kv_heads * model.head_dim, model.ffn_size
+    a, d, gd = model.num_attention_heads, model.head_dim, model.kv_heads * model.head_dim
     sbh = s * b * h
     sp_div = tp if sequence_parallel else 1
     if recompute == "full":
@@ -232,8 +233,58 @@ def layer_activation_terms(
         qkv=qkv / tp,
         attention_output=e * sbh * max(copies, 1) / tp,
         attention_core=core / tp,
-        mlp=0.0 if "mlp" in selective else e * s * b * f * _mlp_widths(model.swiglu, "mlp_act" in selective) / tp,
+        mlp=0.0 if "mlp" in selective else mlp_activation_bytes(model, e, s * b, tp, "mlp_act" in selective),
     )
+
+
+def mlp_activation_bytes(model: ModelConfig, e: float, tokens: int, tp: int, act_recomputed: bool = False) -> float:
+    """The MLP's saved tensors, the mean over the layers (MoE layers and dense ones): dense e*T*f*widths/tp
+    (``_mlp_widths``), MoE ``moe_layer_bytes``."""
+    dense = e * tokens * model.ffn_size * _mlp_widths(model.swiglu, act_recomputed) / tp
+    if model.num_experts is None:
+        return dense
+    moe = moe_layer_bytes(model, e, tokens, tp, act_recomputed)
+    n_moe = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    return (n_moe * moe + (model.num_layers - n_moe) * dense) / model.num_layers
+
+
+def moe_copies(model: ModelConfig, tokens: int) -> int:
+    """Token copies the experts of one MoE layer run for a microbatch of `tokens`: T*k dropless; with a capacity
+    factor, balanced routing's min(T*k/E, capacity) per expert (what tricorn simulate routes)."""
+    k, n = model.moe_router_topk, model.num_experts
+    if model.moe_expert_capacity_factor is None:
+        return tokens * k
+    return n * min(tokens * k // n, math.ceil(tokens * k / n * model.moe_expert_capacity_factor))
+
+
+def moe_layer_bytes(model: ModelConfig, e: float, tokens: int, tp: int, act_recomputed: bool = False) -> float:
+    """What one MoE MLP (model/moe.py) keeps for backward, T tokens, C copies (``moe_copies``), as the probe
+    counts it (tests/test_activation_probe.py):
+
+        per copy    its gathered input and its expert output (e*h each), the expert's intermediates (SwiGLU's
+                    gate|up and output, GeLU's input and output: e*f*widths), its weight (e) and two int64 indices
+        per token   the fp32 router scores (4E), the top-k indices (8k) and the kept mask (k); the normalised
+                    weights and their sum (4k + 4) unless sigmoid with k = 1; with the aux loss the sigmoid
+                    scores' sum (4); in 16-bit runs the fp32 copy of the router input (4h), which without a
+                    shared expert replaces the norm output the linear_inputs term counts (e*h)
+        per layer   the aux loss's counts and value (4E + 4), a 16-bit run's fp32 router weight (4Eh)
+
+    plus the shared expert as a dense MLP of its width (TP-split). The experts are not TP-split. Expert
+    parallelism adds two int64 indices per row it sends (not counted)."""
+    h, n, k = model.hidden_size, model.num_experts, model.moe_router_topk
+    copies = moe_copies(model, tokens)
+    out = copies * (e * (2 * h + model.moe_ffn_size * _mlp_widths(model.swiglu, False)) + e + 16)
+    per_token = 4 * n + 9 * k
+    if model.moe_router_score_function == "softmax" or k > 1:
+        per_token += 4 * k + 4
+    if model.moe_aux_loss_coeff:
+        per_token += 4 if model.moe_router_score_function == "sigmoid" else 0
+        out += 4 * n + 4
+    shared = model.moe_shared_expert_intermediate_size or 0
+    if e != 4:  # the router's fp32 input replaces the norm output (counted in linear_inputs) unless w1 keeps that
+        per_token += 4 * h - (0 if shared else e * h)
+        out += 4 * n * h
+    return out + tokens * per_token + e * tokens * shared * _mlp_widths(model.swiglu, act_recomputed) / tp
 
 
 def layer_activation_bytes(model: ModelConfig, **kwargs: Any) -> float:
@@ -320,6 +371,34 @@ def other_saved_bytes(model: ModelConfig, layout: Layout, stage: int, profile: A
     return total
 
 
+def moe_backward_workspace(model: ModelConfig, layout: Layout) -> float:
+    """What an MoE layer's backward holds beyond its saved tensors, at its largest, for the C copies of one
+    microbatch (``moe_copies``): in the experts' activation backward its incoming gradient, input gradient and
+    SwiGLU's sigmoid less the saved output already released (lean.swiglu: e*C*3f; GeLU e*C*2f), or in the up
+    projection's backward the stacked weight gradient of the rank's E/EP experts (until the DP hook takes it)
+    and the input gradient (e*C*h). 0 for a dense model (its MLP's is T/C x TP times smaller, within the
+    estimate's bound)."""
+    if model.num_experts is None:
+        return 0.0
+    tokens = model.seq_length // layout.cp * layout.micro_batch
+    e, f, h, copies = activation_element_bytes(layout.precision), model.moe_ffn_size, model.hidden_size, moe_copies(model, tokens)
+    up = f * (2 if model.swiglu else 1)
+    activation = e * copies * f * (3 if model.swiglu else 2)
+    weight_grad = e * model.num_experts // layout.ep * up * h + e * copies * h  # 16-bit runs: 16-bit parameters
+    return max(activation, weight_grad)
+
+
+def loss_part_bytes(model: ModelConfig, layout: Layout, stage: int, profile: ActivationProfile = TRICORN) -> float:
+    """Of ``embedding_logits_bytes``: the last stage's own part (saved final norm, head input and logits, the
+    transient logit gradient and fp32 loss chunk), all released before the layers' backward starts."""
+    if stage != layout.pp - 1:
+        return 0.0
+    s, b = model.seq_length // layout.cp, layout.micro_batch
+    saved = other_saved_bytes(model, layout, stage, profile) - (_ids_bytes(layout) * s * b if stage == 0 else 0)
+    logits = s * b * model.padded_vocab_size(layout.tp) / layout.tp
+    return saved + activation_element_bytes(layout.precision) * logits + 4 * min(logits, CE_CHUNK_ELEMENTS)
+
+
 def embedding_logits_bytes(model: ModelConfig, layout: Layout, stage: int, profile: ActivationProfile = TRICORN) -> float:
     """At the stage's peak: the ids of every microbatch in flight; on the last stage one microbatch's saved
     norm, head input and logits, plus the transient logit gradient and one fp32 chunk of the loss."""
@@ -328,7 +407,5 @@ def embedding_logits_bytes(model: ModelConfig, layout: Layout, stage: int, profi
     if stage == 0:
         total += _ids_bytes(layout) * s * b * microbatches_in_flight(layout, 0)
     if stage == layout.pp - 1:
-        last_only = other_saved_bytes(model, layout, stage, profile) - (_ids_bytes(layout) * s * b if stage == 0 else 0)
-        logits = s * b * model.padded_vocab_size(layout.tp) / layout.tp
-        total += last_only + activation_element_bytes(layout.precision) * logits + 4 * min(logits, CE_CHUNK_ELEMENTS)
+        total += loss_part_bytes(model, layout, stage, profile)
     return total

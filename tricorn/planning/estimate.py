@@ -20,7 +20,7 @@ from typing import Optional
 from tricorn.config import Config, ConfigError, build_parser, config_from_args
 from tricorn.planning.flops import iteration_flops_for_config
 from tricorn.planning.hardware import GiB, get_gpu
-from tricorn.planning.memory import MemoryEstimate, estimate_config, total_params
+from tricorn.planning.memory import MemoryEstimate, active_params, estimate_config, total_params
 from tricorn.validation import validate
 
 CATEGORIES = [
@@ -86,6 +86,7 @@ def estimate_record(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> di
     rec = est.to_dict()
     rec.update(
         total_params=total_params(cfg.model),
+        active_params=active_params(cfg.model),
         world_size=cfg.world_size,
         layout=dict(
             tp=p.tensor_model_parallel_size,
@@ -124,6 +125,11 @@ def memory_errors(cfg: Config, gpu_memory_bytes: Optional[float]) -> list[str]:
     ]
 
 
+def _active(rec: dict) -> str:
+    """ ", 0.012 B active per token" for a mixture of experts, else nothing."""
+    return f" ({rec['active_params'] / 1e9:.3f} B active per token)" if rec["active_params"] != rec["total_params"] else ""
+
+
 def _gib(x: float) -> str:
     return f"{x / GiB:9.2f} GiB"
 
@@ -144,7 +150,8 @@ def format_report(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> str:
         f" = {cfg.world_size} ranks on {lay['device']}",
         f"  micro batch {lay['micro_batch']} x {lay['num_microbatches']} microbatches, {lay['precision']}, {zero}, "
         f"recompute {lay['recompute'] or 'none'}, sequence parallel {'on' if lay['sequence_parallel'] else 'off'}",
-        f"  parameters: {rec['total_params'] / 1e9:.3f} B in the model, {rec['params_on_rank'] / 1e9:.3f} B on the worst rank "
+        f"  parameters: {rec['total_params'] / 1e9:.3f} B in the model{_active(rec)}, "
+        f"{rec['params_on_rank'] / 1e9:.3f} B on the worst rank "
         f"(pipeline stage {rec['stage']}, {rec['layers_on_stage']} layers, {rec['microbatches_in_flight']:g} microbatches in flight)",
     ]
     for key, label in CATEGORIES:

@@ -10,6 +10,7 @@ s sequence length, V the padded vocabulary:
     k and v projections     2 * 2*h*(g*d)           = 4h^2 * g/a          (GQA: g < a; MHA: g = a)
     attention core          2*s*h (Q K^T) + 2*s*h (P V) = 4sh             (see "causal" below)
     MLP                     SwiGLU: 3 * 2*h*f = 6hf (w1 gate, w3 up, w2 down); GeLU: 2 * 2*h*f = 4hf
+    MoE MLP                 router 2*h*E + the k routed experts and the shared expert (active FLOPs)
     head (once, not per layer)  2*h*V                                       (tied or untied: the same matmul)
 
 The embedding lookup does no matmul. Backward costs twice the forward (grad input + grad weight), so
@@ -58,7 +59,7 @@ def layer_forward_flops_per_token(
     model: ModelConfig, seq_length: Optional[int] = None, causal_halving: bool = False
 ) -> LayerFlops:
     h, s = model.hidden_size, seq_length or model.seq_length
-    d, a, g, f = model.head_dim, model.num_attention_heads, model.kv_heads, model.ffn_size
+    d, a, g = model.head_dim, model.num_attention_heads, model.kv_heads
     q_width, kv_width = a * d, g * d
     core = 2 * s * q_width * 2  # Q K^T and P V, each 2*s*(a*d) per query token
     if causal_halving:
@@ -67,8 +68,24 @@ def layer_forward_flops_per_token(
         qkv=2 * h * (q_width + 2 * kv_width),
         proj=2 * q_width * h,
         core=core,
-        mlp=2 * h * f * (3 if model.swiglu else 2),
+        mlp=mean_mlp_flops(model)[0],
     )
+
+
+def mean_mlp_flops(model: ModelConfig) -> tuple[float, float]:
+    """(MLP forward FLOPs per token, of which the down projections), averaged over the layers.
+
+    An MoE layer does the router (2*h*E), the k experts a token is routed to and the shared expert: the
+    active FLOPs, whatever the number of experts (dropped copies are not subtracted)."""
+    h, gated = model.hidden_size, 3 if model.swiglu else 2
+    total = down = 0.0
+    for layer in range(model.num_layers):
+        if not model.is_moe_layer(layer):
+            total, down = total + 2 * h * model.ffn_size * gated, down + 2 * h * model.ffn_size
+            continue
+        f = model.moe_router_topk * model.moe_ffn_size + (model.moe_shared_expert_intermediate_size or 0)
+        total, down = total + 2 * h * model.num_experts + 2 * h * f * gated, down + 2 * h * f
+    return total / model.num_layers, down / model.num_layers
 
 
 @dataclass(frozen=True)
@@ -112,7 +129,7 @@ def iteration_flops(
     head = 2 * model.hidden_size * vocab
     model_flops = 3 * tokens * (model.num_layers * layer.total + head)
     # The MLP down projection's output is saved by nothing, so an early-stopping recompute never re-runs it.
-    down_proj = 2 * model.hidden_size * model.ffn_size if recompute_early_stop else 0
+    down_proj = mean_mlp_flops(model)[1] if recompute_early_stop else 0
     if recompute_granularity == "full":
         n = model.num_layers if recomputed_layers is None else recomputed_layers
         recompute = tokens * n * (layer.total - down_proj)

@@ -25,7 +25,7 @@ No collectives, no device work.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from typing import Optional
 
 from tricorn.config import Config, ModelConfig
@@ -39,7 +39,9 @@ from tricorn.planning.activations import (  # noqa: F401 - re-exported: the esti
     korthikanti_layer_bytes,
     layer_activation_bytes,
     layout_layer_bytes,
+    loss_part_bytes,
     microbatches_in_flight,
+    moe_backward_workspace,
     other_saved_bytes,
     stage_activation_bytes,
 )
@@ -62,6 +64,9 @@ class ModelState:
     @property
     def total(self) -> float:
         return self.params + self.grads + self.master_params + self.optimizer_state
+
+    def __add__(self, other: ModelState) -> ModelState:
+        return ModelState(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
 def bytes_per_param(precision: str, grads_16bit: bool = False) -> tuple[int, int, int, int]:
@@ -119,6 +124,7 @@ class Layout:
     last_stage_layers: Optional[int] = None
     device: str = "cuda"
     ddp_bucket_elements: Optional[int] = None  # --ddp-bucket-size; None: the config's default, max(40M, 1M x DP)
+    ep: int = 1  # expert parallel: ranks of DP x CP that split the MoE experts
 
     @property
     def world_size(self) -> int:
@@ -152,6 +158,7 @@ class Layout:
             last_stage_layers=p.decoder_last_pipeline_num_layers,
             device=cfg.device or "cuda",
             ddp_bucket_elements=p.ddp_bucket_size,
+            ep=p.expert_model_parallel_size,
         )
 
 
@@ -172,61 +179,130 @@ def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None, la
 # ---------------------------------------------------------------- parameters
 
 
-def layer_param_sizes(model: ModelConfig, tp: int = 1) -> list[int]:
-    """One layer's parameters on a TP rank, in the model's order (model/transformer.py, TransformerBlock)."""
-    h, f, gd = model.hidden_size, model.ffn_size, model.kv_heads * model.head_dim
+def _attention_sizes(model: ModelConfig, tp: int) -> list[int]:
+    """A layer's norms and attention on a TP rank, in the model's order (model/transformer.py)."""
+    h, gd = model.hidden_size, model.kv_heads * model.head_dim
     q = model.num_attention_heads * model.head_dim
     bias = not model.disable_bias_linear
     norm = [h, h] if model.normalization == "LayerNorm" else [h]
-    up = f * (2 if model.swiglu else 1)
-
-    def linear(weight: int, out: int) -> list[int]:
-        return [weight, out] if bias else [weight]
-
-    return [
-        *norm,
-        *linear(h * (q + 2 * gd) // tp, (q + 2 * gd) // tp),  # fused QKV, column parallel
-        *linear(q // tp * h, h),  # out projection, row parallel (bias replicated)
-        *norm,
-        *linear(h * up // tp, up // tp),  # w1 (gate|up), column parallel
-        *linear(f // tp * h, h),  # w2, row parallel
-    ]
+    qkv = [h * (q + 2 * gd) // tp, (q + 2 * gd) // tp][: 1 + bias]  # fused QKV, column parallel
+    out = [q // tp * h, h][: 1 + bias]  # out projection, row parallel (bias replicated)
+    return [*norm, *qkv, *out, *norm]
 
 
-def layer_params_per_rank(model: ModelConfig, tp: int = 1) -> int:
-    return sum(layer_param_sizes(model, tp))
+def _mlp_sizes(h: int, f: int, swiglu: bool, bias: bool, tp: int) -> list[int]:
+    up = f * (2 if swiglu else 1)
+    return [h * up // tp, up // tp][: 1 + bias] + [f // tp * h, h][: 1 + bias]  # w1 (gate|up) column, w2 row parallel
 
 
-def stage_param_sizes(model: ModelConfig, layout: Layout, stage: int, layers: int) -> list[tuple[int, bool]]:
-    """(elements, kept apart) of every parameter one TP rank of pipeline ``stage`` holds, in the model's order.
-    Kept apart: with PP and the distributed optimizer the embedding and a tied head's copy sit in buckets of
-    their own (parallel/data_parallel.py)."""
+def _mlp_params(h: int, f: int, swiglu: bool, bias: bool, tp: int) -> int:
+    return sum(_mlp_sizes(h, f, swiglu, bias, tp))
+
+
+def expert_params(model: ModelConfig) -> int:
+    """One routed expert's parameters (no biases: MoE needs --disable-bias-linear)."""
+    return _mlp_params(model.hidden_size, model.moe_ffn_size, model.swiglu, False, 1)
+
+
+def mlp_params_per_rank(model: ModelConfig, layer_id: int, tp: int = 1, active: bool = False, ep: int = 1) -> int:
+    """The MLP of layer `layer_id`: dense, or router + experts (all, or the top-k a token uses) + shared expert.
+
+    Routed experts are split over EP and replicated over TP (no expert tensor parallelism); the shared expert
+    is TP-split."""
+    h, bias = model.hidden_size, not model.disable_bias_linear
+    if not model.is_moe_layer(layer_id):
+        return _mlp_params(h, model.ffn_size, model.swiglu, bias, tp)
+    experts = model.moe_router_topk if active else model.num_experts // ep
+    n = model.num_experts * h + experts * expert_params(model)
+    shared = model.moe_shared_expert_intermediate_size
+    return n + (_mlp_params(h, shared, model.swiglu, bias, tp) if shared else 0)
+
+
+def layer_params_per_rank(model: ModelConfig, tp: int = 1, active: bool = False, ep: int = 1) -> int:
+    """Parameters of one layer on one TP rank; for a model mixing MoE and dense MLPs, the mean over its layers."""
+    n = sum(_attention_sizes(model, tp))
+    if model.num_experts is None:
+        return n + mlp_params_per_rank(model, 0, tp)
+    mlps = sum(mlp_params_per_rank(model, i, tp, active, ep) for i in range(model.num_layers))
+    return n + round(mlps / model.num_layers)
+
+
+def layer_param_sizes(model: ModelConfig, layer_id: int, tp: int = 1, ep: int = 1) -> list[tuple[int, bool]]:
+    """(elements, kept apart) of each parameter of layer ``layer_id`` on a TP rank, in the model's order. Kept
+    apart: a routed expert's weights sit in buckets of their own (they reduce over expert-DP)."""
+    h, bias = model.hidden_size, not model.disable_bias_linear
+    sizes = [(n, False) for n in _attention_sizes(model, tp)]
+    if not model.is_moe_layer(layer_id):
+        return sizes + [(n, False) for n in _mlp_sizes(h, model.ffn_size, model.swiglu, bias, tp)]
+    sizes.append((model.num_experts * h, False))  # the router
+    expert = _mlp_sizes(h, model.moe_ffn_size, model.swiglu, False, 1)
+    sizes += [(n, True) for _ in range(model.num_experts // ep) for n in expert]
+    shared = model.moe_shared_expert_intermediate_size
+    return sizes + [(n, False) for n in (_mlp_sizes(h, shared, model.swiglu, bias, tp) if shared else [])]
+
+
+def stage_param_parts(
+    model: ModelConfig, layout: Layout, stage: int, layers: int
+) -> tuple[list[tuple[int, bool]], list[list[tuple[int, bool]]], list[tuple[int, bool]]]:
+    """(embedding part, each layer's parameters, final norm and head part) on a TP rank of ``stage``, in the
+    model's order, as ``layer_param_sizes``. Kept apart too: with PP and the distributed optimizer, the
+    embedding and a tied head's copy (parallel/data_parallel.py)."""
     h, tp = model.hidden_size, layout.tp
     vocab = model.padded_vocab_size(tp)
     apart = layout.pp > 1 and layout.zero_stage >= 1
     first, last = stage == 0, stage == layout.pp - 1
     tied = not model.untie_embeddings_and_output_weights
-    sizes: list[tuple[int, bool]] = []
+    head: list[tuple[int, bool]] = []
     if first:
-        sizes.append((vocab // tp * h, apart))
+        head.append((vocab // tp * h, apart))
         if model.position_embedding_type == "learned_absolute":
-            sizes.append((model.max_positions * h, False))
-    sizes += [(n, False) for _ in range(layers) for n in layer_param_sizes(model, tp)]
+            head.append((model.max_positions * h, False))
+    counts = stage_layer_counts(model.num_layers, layout.pp, layout.first_stage_layers, layout.last_stage_layers)
+    offset = sum(counts[:stage]) if len(counts) == layout.pp and counts[stage] == layers else 0
+    body = [layer_param_sizes(model, offset + i, tp, layout.ep) for i in range(layers)]
+    tail: list[tuple[int, bool]] = []
     if last:
-        sizes += [(h, False)] * (2 if model.normalization == "LayerNorm" else 1)
+        tail += [(h, False)] * (2 if model.normalization == "LayerNorm" else 1)
         if not tied or not first:  # untied head, or the tied copy on a last stage without the embedding
-            sizes.append((vocab // tp * h, apart and tied))
-    return sizes
+            tail.append((vocab // tp * h, apart and tied))
+    return head, body, tail
 
 
-def stage_params_per_rank(model: ModelConfig, layout: Layout, stage: int, layers: int) -> int:
-    """Parameters one TP rank of pipeline ``stage`` holds."""
-    return sum(n for n, _ in stage_param_sizes(model, layout, stage, layers))
+def stage_params_per_rank(model: ModelConfig, layout: Layout, stage: int, layers: int, active: bool = False) -> int:
+    """Parameters one TP rank of pipeline ``stage`` holds (``active``: only the top-k experts a token uses)."""
+    h, tp = model.hidden_size, layout.tp
+    vocab = model.padded_vocab_size(tp)
+    n = layers * layer_params_per_rank(model, tp, active, layout.ep)
+    first, last = stage == 0, stage == layout.pp - 1
+    if first:
+        n += vocab // tp * h
+        if model.position_embedding_type == "learned_absolute":
+            n += model.max_positions * h
+    if last:
+        n += h * (2 if model.normalization == "LayerNorm" else 1)
+        tied = not model.untie_embeddings_and_output_weights
+        if not tied or not first:  # untied head, or the tied copy on a last stage without the embedding
+            n += vocab // tp * h
+    return n
 
 
 def total_params(model: ModelConfig) -> int:
     """Unique parameters of the model (tied head counted once), vocabulary padded as for TP = 1."""
     return stage_params_per_rank(model, Layout(), 0, model.num_layers)
+
+
+def stage_expert_params_per_rank(model: ModelConfig, layout: Layout, layers: int) -> int:
+    """Of ``stage_params_per_rank``: the routed experts' parameters (E/EP per MoE layer, the mean over the layers),
+    which the distributed optimizer shards over expert-DP = DP x CP / EP instead of DP x CP."""
+    if model.num_experts is None:
+        return 0
+    n_moe = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    return round(layers * n_moe / model.num_layers * model.num_experts // layout.ep * expert_params(model))
+
+
+def active_params(model: ModelConfig) -> int:
+    """Parameters one token goes through: as total_params, with only the top-k routed experts of each MoE layer."""
+    return stage_params_per_rank(model, Layout(), 0, model.num_layers, active=True)
 
 
 # ---------------------------------------------------------------- the estimate
@@ -314,16 +390,11 @@ def zero2_buckets(model: ModelConfig, layout: Layout, stage: int, layers: int) -
     """ZeRO-2's gradient buckets on a rank of ``stage``, in backward order: the code's own plan
     (parallel/buckets.py) over the stage's parameters, each virtual-pipeline chunk its own buffers."""
     vpp = layout.vpp if layout.pp > 1 else 1
-    sizes = stage_param_sizes(model, layout, stage, layers)
-    per_layer = len(layer_param_sizes(model, layout.tp))
-    first = 0 if stage else (2 if model.position_embedding_type == "learned_absolute" else 1)
-    chunks: list[list[tuple[int, bool]]] = []
-    for c in range(vpp):  # layers split evenly over the chunks; the embedding on the first, the head on the last
-        lo = first + per_layer * (layers * c // vpp)
-        hi = first + per_layer * (layers * (c + 1) // vpp)
-        chunks.append((sizes[:first] if c == 0 else []) + sizes[lo:hi] + (sizes[hi:] if c == vpp - 1 else []))
+    head, body, tail = stage_param_parts(model, layout, stage, layers)
     buckets: list[int] = []
-    for chunk in reversed(chunks):  # backward runs the last chunk first
+    for c in reversed(range(vpp)):  # layers split evenly over the chunks; backward runs the last chunk first
+        chunk = [p for layer in body[layers * c // vpp : layers * (c + 1) // vpp] for p in layer]
+        chunk = (head if c == 0 else []) + chunk + (tail if c == vpp - 1 else [])
         plan = plan_buckets(chunk, lambda s: s[0], layout.bucket_elements, lambda a, b: a[1] or b[1])
         buckets += [sum(n for n, _ in b) for b in plan]
     return buckets
@@ -405,6 +476,12 @@ def estimate(
         raise ValueError("the vocabulary size is unknown: pass --vocab-size N (or --tokenizer-model FILE)")
     p_b, g_b, m_b, o_b = bytes_per_param(layout.precision, layout.grads_16bit)
     shard = layout.dp * layout.cp  # the distributed optimizer shards over the DP x CP group
+
+    def state_of(n: int, dp: int) -> ModelState:
+        return model_state_bytes(
+            n, param_bytes=p_b, grad_bytes=g_b, master_bytes=m_b, optimizer_bytes=o_b, dp=dp, zero_stage=layout.zero_stage
+        )
+
     layers = stage_layer_counts(model.num_layers, layout.pp, layout.first_stage_layers, layout.last_stage_layers)
     best: Optional[MemoryEstimate] = None
     totals = []
@@ -412,17 +489,13 @@ def estimate(
         if stages is not None and stage not in stages:
             continue
         n_params = stage_params_per_rank(model, layout, stage, n_layers)
-        state = model_state_bytes(
-            n_params,
-            param_bytes=p_b,
-            grad_bytes=g_b,
-            master_bytes=m_b,
-            optimizer_bytes=o_b,
-            dp=shard,
-            zero_stage=layout.zero_stage,
-        )
+        n_experts = stage_expert_params_per_rank(model, layout, n_layers)
+        # The distributed optimizer shards the routed experts over expert-DP (DP x CP / EP), the rest over DP x CP.
+        state = state_of(n_params - n_experts, shard) + state_of(n_experts, shard // layout.ep)
         activations = stage_activation_bytes(model, layout, stage, n_layers, profile)
         logits = embedding_logits_bytes(model, layout, stage, profile)
+        # The stage's first MoE layer backward: its workspace, where the last stage's loss part is released.
+        activations += max(0.0, moe_backward_workspace(model, layout) - loss_part_bytes(model, layout, stage, profile))
         buffers = _forward_peak_buffers(model, layout, stage, n_layers)
         backward = zero_backward_peak(model, layout, stage, n_layers, n_params, profile)
         if backward is not None and backward[0] + backward[1].total > activations + logits + buffers.total:

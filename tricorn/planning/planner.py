@@ -9,7 +9,9 @@ count up to the layers; one that does not divide them puts the remainder on the 
 --decoder-first/last-pipeline-num-layers), virtual stages (even splits, when the microbatch count divides by
 PP), DP (the rest; it must divide the global batch), micro batch (every divisor of the batch per DP rank, the
 largest that fits), recompute (none, selective of core_attn / mlp / mlp + norm / all three, full),
-distributed optimizer (off, ZeRO-1, and ZeRO-2/3 when PP = 1). Sequence parallelism is on whenever TP > 1.
+distributed optimizer (off, ZeRO-1, and ZeRO-2/3 when PP = 1), and for a mixture of experts the expert-parallel
+size (a divisor of DP x CP and of the experts; ZeRO-2/3 only at EP 1). Sequence parallelism is on whenever TP > 1
+(not with MoE).
 A layout fits when the memory estimator's worst rank stays under (1 - --memory-margin) of the device memory.
 
 Step-time model: step_time.py, with factors calibrated on published runs (calibration.py). Each time figure
@@ -34,7 +36,7 @@ from tricorn.config import ConfigError, ModelConfig, config_from_args
 from tricorn.planning import calibration
 from tricorn.planning.flops import iteration_flops
 from tricorn.planning.hardware import GiB, get_gpu
-from tricorn.planning.memory import Layout, bytes_per_param, estimate, total_params
+from tricorn.planning.memory import Layout, active_params, estimate, total_params
 from tricorn.planning.step_time import Cluster, step_time
 
 CP_MIN_SEQ = 8192  # below this, CP's split attention costs more than its memory saving is worth
@@ -82,6 +84,7 @@ class Plan:
             vpp=lay.vpp,
             cp=lay.cp,
             dp=lay.dp,
+            ep=lay.ep,
             micro_batch=lay.micro_batch,
             num_microbatches=lay.num_microbatches,
             sequence_parallel=lay.sequence_parallel,
@@ -136,8 +139,49 @@ def valid_cps(model: ModelConfig) -> list[int]:
     return [cp for cp in CP_SIZES if cp == 1 or (seq >= CP_MIN_SEQ and seq % (2 * cp) == 0 and seq // cp >= 1024)]
 
 
+def valid_eps(model: ModelConfig, dp_cp: int) -> list[int]:
+    """Expert-parallel sizes of a mixture of experts: divisors of DP x CP that divide the experts; 1 when dense."""
+    return [ep for ep in divisors(dp_cp) if model.num_experts % ep == 0] if model.num_experts else [1]
+
+
+def sequence_parallel(model: ModelConfig, tp: int) -> bool:
+    """On whenever TP > 1, except for a mixture of experts (not supported with MoE)."""
+    return tp > 1 and model.num_experts is None
+
+
 def layout_groups(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16") -> Iterator[list[Layout]]:
     """Layouts in groups that differ only in the micro batch, smallest first (memory grows along a group)."""
+    for tp, cp, pp, ep, split in _grids(model, cluster, global_batch):
+        dp = cluster.gpus // (tp * cp * pp)
+        base = Layout(tp=tp, pp=pp, cp=cp, dp=dp, sequence_parallel=sequence_parallel(model, tp), precision=precision, ep=ep)
+        base = dataclasses.replace(base, first_stage_layers=split[0], last_stage_layers=split[1])
+        zeros = ((0, 1, 2, 3) if pp == 1 and ep == 1 else (0, 1)) if dp * cp > 1 else (0,)
+        vpps = [1] if split[0] is not None or pp == 1 else [v for v in divisors(model.num_layers // pp) if v <= MAX_VPP]
+        for vpp in vpps:
+            for recompute, modules in RECOMPUTE:
+                for zero in zeros:
+                    group = []
+                    for mb in divisors(global_batch // dp):
+                        m = global_batch // (mb * dp)
+                        if vpp > 1 and m % pp:
+                            continue
+                        group.append(
+                            dataclasses.replace(
+                                base,
+                                vpp=vpp,
+                                micro_batch=mb,
+                                num_microbatches=m,
+                                recompute=recompute,
+                                recompute_modules=modules,
+                                zero_stage=zero,
+                            )
+                        )
+                    if group:
+                        yield group
+
+
+def _grids(model: ModelConfig, cluster: Cluster, global_batch: int) -> Iterator[tuple]:
+    """(tp, cp, pp, ep, (first, last) stage layers) of every process grid the cluster and the batch divide."""
     for tp in valid_tps(model, cluster.gpus_per_node):
         for cp in valid_cps(model):
             for pp in range(1, model.num_layers + 1):
@@ -145,33 +189,9 @@ def layout_groups(model: ModelConfig, cluster: Cluster, global_batch: int, preci
                 if cluster.gpus % (tp * cp * pp) or split is None:
                     continue
                 dp = cluster.gpus // (tp * cp * pp)
-                if global_batch % dp:
-                    continue
-                base = Layout(tp=tp, pp=pp, cp=cp, dp=dp, sequence_parallel=tp > 1, precision=precision)
-                base = dataclasses.replace(base, first_stage_layers=split[0], last_stage_layers=split[1])
-                zeros = ((0, 1, 2, 3) if pp == 1 else (0, 1)) if dp * cp > 1 else (0,)
-                vpps = [1] if split[0] is not None or pp == 1 else [v for v in divisors(model.num_layers // pp) if v <= MAX_VPP]
-                for vpp in vpps:
-                    for recompute, modules in RECOMPUTE:
-                        for zero in zeros:
-                            group = []
-                            for mb in divisors(global_batch // dp):
-                                m = global_batch // (mb * dp)
-                                if vpp > 1 and m % pp:
-                                    continue
-                                group.append(
-                                    dataclasses.replace(
-                                        base,
-                                        vpp=vpp,
-                                        micro_batch=mb,
-                                        num_microbatches=m,
-                                        recompute=recompute,
-                                        recompute_modules=modules,
-                                        zero_stage=zero,
-                                    )
-                                )
-                            if group:
-                                yield group
+                if global_batch % dp == 0:
+                    for ep in valid_eps(model, dp * cp):
+                        yield tp, cp, pp, ep, split
 
 
 def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16") -> Iterator[Layout]:
@@ -307,7 +327,7 @@ def lean_fit(model: ModelConfig, cluster: Cluster, global_batch: int, precision:
                     pp=pp,
                     dp=dp,
                     num_microbatches=global_batch // dp,
-                    sequence_parallel=tp > 1,
+                    sequence_parallel=sequence_parallel(model, tp),
                     recompute="full",
                     zero_stage=zero,
                     precision=precision,
@@ -366,15 +386,6 @@ def max_model(base: ModelConfig, cluster: Cluster, global_batch: int, precision:
     return best
 
 
-def min_gpus(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str, limit: int = 65536) -> Optional[int]:
-    n = 1
-    while n <= limit:
-        if lean_fit(model, dataclasses.replace(cluster, gpus=n), global_batch, precision):
-            return n
-        n *= 2
-    return None
-
-
 # ---------------------------------------------------------------- command line
 
 
@@ -397,38 +408,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _layout_text(lay: Layout) -> str:
+def layout_text(lay: Layout) -> str:
     zero = f"ZeRO-{lay.zero_stage}" if lay.zero_stage else "no distributed optimizer"
     split = (
         "" if lay.first_stage_layers is None else f" (first/last stage {lay.first_stage_layers}/{lay.last_stage_layers} layers)"
     )
     return (
-        f"TP {lay.tp}, PP {lay.pp}{split}, VPP {lay.vpp}, CP {lay.cp}, DP {lay.dp}, micro batch {lay.micro_batch}, "
+        f"TP {lay.tp}, PP {lay.pp}{split}, VPP {lay.vpp}, CP {lay.cp}, DP {lay.dp}{f' (EP {lay.ep})' if lay.ep > 1 else ''}, "
+        f"micro batch {lay.micro_batch}, "
         f"{zero}, recompute {_recompute_text(lay)}"
-    )
-
-
-def explain_impossible(
-    model: ModelConfig, name: str, cluster: Cluster, global_batch: int, result: PlanResult, precision: str
-) -> str:
-    head = f"{name} does not fit on {cluster.gpus} x {cluster.gpu.name}"
-    if result.considered == 0:
-        return (
-            f"{head}: no layout divides evenly - the global batch {global_batch} must be divisible by the data-parallel size "
-            f"and the micro batch, and --gpus {cluster.gpus} by TP x PP x CP; try a global batch that is a multiple of "
-            f"{cluster.gpus} or a GPU count that is a power of two"
-        )
-    lay, mem = result.leanest  # type: ignore[misc]
-    p_b, g_b, m_b, o_b = bytes_per_param(precision)
-    n = total_params(model)
-    state_gib = n * (p_b + g_b + m_b + o_b) / GiB
-    need = min_gpus(model, cluster, global_batch, precision)
-    more = f"it needs at least {need} GPUs of this type (--gpus {need})" if need else "no GPU count up to 65536 fits it"
-    return (
-        f"{head}: the leanest layout ({_layout_text(lay)}) needs {mem / GiB:.1f} GiB per GPU and "
-        f"{cluster.usable_bytes / GiB:.1f} GiB are usable ({cluster.gpu.memory_gb:.1f} GiB less the "
-        f"{cluster.memory_margin:.0%} margin); its model state alone is {state_gib:.0f} GiB "
-        f"({n / 1e9:.1f} B parameters x {p_b + g_b + m_b + o_b} bytes) before sharding; {more}"
     )
 
 
@@ -445,7 +433,7 @@ def _recompute_text(lay: Layout) -> str:
 
 def _table(plans: list[Plan]) -> str:
     head = (
-        " #  TP PP VPP CP  DP  mb  recompute       ZeRO  mem/GPU  step s [p10-p90]      tokens/s [p10-p90]      "
+        " #  TP PP VPP CP  DP  EP  mb  recompute       ZeRO  mem/GPU  step s [p10-p90]      tokens/s [p10-p90]      "
         "TFLOP/s/GPU      MFU [p10-p90]        HFU [p10-p90]        why"
     )
     rows = [head]
@@ -453,7 +441,7 @@ def _table(plans: list[Plan]) -> str:
         lay = p.layout
         pp = f"{lay.pp}" if lay.first_stage_layers is None else f"{lay.pp}*"
         rows.append(
-            f"{i:2d}{'=' if p.tie else ' '}{lay.tp:3d} {pp:>2} {lay.vpp:3d} {lay.cp:2d} {lay.dp:3d} {lay.micro_batch:3d}  "
+            f"{i:2d}{'=' if p.tie else ' '}{lay.tp:3d} {pp:>2} {lay.vpp:3d} {lay.cp:2d} {lay.dp:3d} {lay.ep:3d} {lay.micro_batch:3d}  "
             f"{_recompute_text(lay):<15} {lay.zero_stage:4d} {p.memory_bytes / GiB:5.1f} GiB  {_iv(p, 'step_time_s', '.2f'):<21}"
             f"{_iv(p, 'tokens_per_s', '.0f'):<24}{_iv(p, 'tflops_per_gpu', '.0f'):<17}"
             f"{_iv(p, 'mfu', '.1%'):<21}{_iv(p, 'hfu', '.1%'):<21}{p.why}"
@@ -472,8 +460,7 @@ def _emit(path: str, name: str, model: ModelConfig, top: Plan, cluster: Cluster,
     from tricorn.planning import sbatch
 
     n = total_params(model)
-    preset_args = ["--model-preset", name] if name in _presets() else _model_args(model)
-    train = preset_args + ["--seq-length", str(model.seq_length)] + sbatch.layout_args(top.layout, gbs)
+    train = sbatch.model_args(name, model) + ["--seq-length", str(model.seq_length)] + sbatch.layout_args(top.layout, gbs)
     train += sbatch.llama_hyperparameters(n, gbs * model.seq_length, args.train_tokens)
     save_every = max(10, int(1800 / top.step_time_s) // 10 * 10)  # about every 30 minutes
     train += ["--save-interval", str(save_every), "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "10"]
@@ -486,7 +473,7 @@ def _emit(path: str, name: str, model: ModelConfig, top: Plan, cluster: Cluster,
         train_args=train,
         comments=[
             "Generated by: tricorn plan " + " ".join(_canonical(argv)),
-            f"Layout: {_layout_text(top.layout)}",
+            f"Layout: {layout_text(top.layout)}",
             f"Predicted by tricorn's step-time model: {top.memory_bytes / GiB:.1f} GiB per GPU, "
             f"{_iv(top, 'step_time_s', '.1f')} s per iteration,",
             f"  {_iv(top, 'tokens_per_s', ',.0f')} tokens/s, {_iv(top, 'tflops_per_gpu', '.0f')} TFLOP/s per GPU, "
@@ -509,21 +496,9 @@ def _canonical(argv: list[str]) -> list[str]:
     return out + ["--emit-sbatch", "FILE"]
 
 
-def _presets() -> dict:
-    from tricorn.config import PRESETS
-
-    return PRESETS
-
-
-def _model_args(model: ModelConfig) -> list[str]:
-    args = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size)]
-    args += ["--ffn-hidden-size", str(model.ffn_size), "--num-attention-heads", str(model.num_attention_heads)]
-    if model.group_query_attention:
-        args += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
-    for flag in ("swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights"):
-        if getattr(model, flag):
-            args.append("--" + flag.replace("_", "-"))
-    return args + ["--normalization", model.normalization, "--vocab-size", str(model.vocab_size)]
+def _active_note(model: ModelConfig) -> str:
+    """ " (12.88 B active per token)" for a mixture of experts, else nothing."""
+    return f" ({active_params(model) / 1e9:.2f} B active per token)" if model.num_experts else ""
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -574,6 +549,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0 if best is not None else 1
     result = plan(model, cluster, gbs, precision, args.top_k)
     if not result.plans:
+        from tricorn.planning.plan_checks import explain_impossible
+
         print(f"tricorn plan: {explain_impossible(model, name, cluster, gbs, result, precision)}", file=sys.stderr)
         if args.json:
             print("[]")
@@ -585,11 +562,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         plans = [p.to_dict() for p in result.plans]
         if args.verify:  # the top plan's record gains the simulation's records
+            from tricorn.planning.plan_checks import verify
+
             plans[0]["verify"] = verify(name, model, result.plans[0], args.gpus, gbs, precision)[1]
         print(json.dumps(plans, indent=2))
         return 0
     print(
-        f"{name}: {total_params(model) / 1e9:.2f} B parameters, seq {model.seq_length}, global batch {gbs}, {precision} on "
+        f"{name}: {total_params(model) / 1e9:.2f} B parameters{_active_note(model)}, seq {model.seq_length}, global batch {gbs}, {precision} on "
         f"{args.gpus} x {gpu.name} ({args.gpus_per_node} per node), {cluster.usable_bytes / GiB:.1f} GiB usable per GPU\n"
         f"{result.considered} layouts considered, {result.fitting} fit, {result.ties} tie with the fastest; "
         f"top {len(result.plans)}, ties first (simplest first), then by predicted tokens/s:\n" + _table(result.plans)
@@ -597,12 +576,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     fast = result.fastest
     if fast is not None and fast not in result.plans:
         print(
-            f"fastest predicted (not preferred, see 'why'): {_layout_text(fast.layout)}: {_iv(fast, 'step_time_s', '.2f')} s, "
+            f"fastest predicted (not preferred, see 'why'): {layout_text(fast.layout)}: {_iv(fast, 'step_time_s', '.2f')} s, "
             f"{_iv(fast, 'tokens_per_s', '.0f')} tokens/s, MFU {_iv(fast, 'mfu', '.1%')}, {fast.memory_bytes / GiB:.1f} GiB"
         )
     if args.emit_sbatch:
         print(f"wrote {args.emit_sbatch} for layout 1")
     if args.verify:
+        from tricorn.planning.plan_checks import verify
         from tricorn.simulate import format_table
 
         flags, records = verify(name, model, result.plans[0], args.gpus, gbs, precision)
@@ -612,29 +592,3 @@ def main(argv: Optional[list[str]] = None) -> int:
             + format_table(records)
         )
     return 0
-
-
-def compare_with_published(run: calibration.Run) -> str:
-    """'ok' when the planner's choice for ``run``'s model, cluster and batch predicts at least the published
-    layout's throughput, 'tie' when it is within the interval of it, 'worse' otherwise (both predicted with
-    tricorn's features); 'n/a' when nothing fits tricorn's memory estimate."""
-    cluster = run.cluster(calibration.efficiency_for(run.gpu))
-    result = plan(run.model, cluster, run.global_batch, run.layout.precision, top_k=1)
-    if not result.plans:
-        return "n/a"
-    published = evaluate(run.model, run.layout, cluster, run.global_batch, 0.0)
-    choice = result.plans[0]
-    if choice.step_time_s <= published.step_time_s:
-        return "ok"
-    return "tie" if choice.bounds("step_time_s")[0] <= published.bounds("step_time_s")[1] else "worse"
-
-
-def verify(name: str, model: ModelConfig, top: Plan, gpus: int, gbs: int, precision: str) -> tuple[list[str], list[dict]]:
-    """(flags, records): the top layout's real build and one training iteration on fake tensors (tricorn/simulate.py)."""
-    from tricorn.planning import sbatch
-    from tricorn.simulate import config_for_simulation, default_ranks, simulate
-
-    model_args = ["--model-preset", name] if name in _presets() else _model_args(model)
-    flags = [*model_args, "--seq-length", str(model.seq_length), f"--{precision}", *sbatch.layout_args(top.layout, gbs)]
-    cfg = config_for_simulation(flags, gpus)
-    return flags, simulate(cfg, default_ranks(cfg), iters=1)

@@ -240,6 +240,27 @@ def llama_hyperparameters(num_params: float, tokens_per_iteration: int, train_to
     ]
 
 
+def model_args(name: str, model) -> list[str]:
+    """pretrain_gpt.py flags for a model: its preset's name, or its shape (mixture-of-experts flags included)."""
+    from tricorn.config import PRESETS
+
+    if name in PRESETS:
+        return ["--model-preset", name]
+    args = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size)]
+    args += ["--ffn-hidden-size", str(model.ffn_size), "--num-attention-heads", str(model.num_attention_heads)]
+    if model.group_query_attention:
+        args += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
+    for flag in ("swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights"):
+        if getattr(model, flag):
+            args.append("--" + flag.replace("_", "-"))
+    if model.num_experts:
+        args += ["--num-experts", str(model.num_experts), "--moe-router-topk", str(model.moe_router_topk)]
+        args += ["--moe-ffn-hidden-size", str(model.moe_ffn_size), "--moe-layer-freq", str(model.moe_layer_freq)]
+        if model.moe_shared_expert_intermediate_size:
+            args += ["--moe-shared-expert-intermediate-size", str(model.moe_shared_expert_intermediate_size)]
+    return args + ["--normalization", model.normalization, "--vocab-size", str(model.vocab_size)]
+
+
 def layout_args(layout, global_batch: int) -> list[str]:
     """pretrain_gpt.py flags for a planner Layout."""
     args = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp)]
@@ -251,6 +272,8 @@ def layout_args(layout, global_batch: int) -> list[str]:
         args += ["--decoder-last-pipeline-num-layers", str(layout.last_stage_layers)]
     if layout.cp > 1:
         args += ["--context-parallel-size", str(layout.cp)]
+    if layout.ep > 1:
+        args += ["--expert-model-parallel-size", str(layout.ep)]
     if layout.sequence_parallel:
         args.append("--sequence-parallel")
     args += ["--micro-batch-size", str(layout.micro_batch), "--global-batch-size", str(global_batch)]

@@ -24,12 +24,16 @@ runs by tricorn/planning/calibration.py and stored in tricorn/planning/data/step
   ZeRO-3 gathers each layer's parameters in forward and again in backward and reduce-scatters its gradients,
   prefetching the next layer while one computes: per layer only max(0, transfer - compute) shows, plus the
   first layer's gather; there is no gather after the step.
+- EP (MoE): the all_to_alls of ``ep_all_to_all_bytes`` (each token once per other rank holding one of its
+  experts) at the rate of the ep group's link, not overlapped; the MoE MLP's GEMMs are those of the k active
+  experts (``mlp_width_per_rank``).
 - optimizer: AdamW streams ~OPTIMIZER_BYTES_PER_PARAM bytes per (sharded) parameter through HBM.
 No collectives, no device work.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -96,7 +100,40 @@ class _Layer:
     total: float = 0.0  # compute of forward + backward + recompute, with elementwise work
     tp_comm: float = 0.0
     cp_exposed: float = 0.0
+    ep_comm: float = 0.0  # MoE all_to_alls, not overlapped
     parts: dict = field(default_factory=dict)
+
+
+def mlp_width_per_rank(model: ModelConfig, tp: int) -> float:
+    """The MLP inner width one token meets on one TP rank, averaged over the layers (MoE: active experts)."""
+    widths = []
+    for i in range(model.num_layers):
+        if model.is_moe_layer(i):
+            widths.append(model.moe_router_topk * model.moe_ffn_size + (model.moe_shared_expert_intermediate_size or 0) / tp)
+        else:
+            widths.append(model.ffn_size / tp)
+    return sum(widths) / len(widths)
+
+
+def ep_rows_per_token(model: ModelConfig, ep: int) -> float:
+    """Other ranks a token is sent to under expert parallelism (parallel/expert.py sends it once per rank holding
+    one of its k experts), for balanced routing: (EP - 1) x P(one of its experts is on a given rank)."""
+    n, k = model.num_experts, model.moe_router_topk
+    return (ep - 1) * (1 - math.comb(n - n // ep, k) / math.comb(n, k))
+
+
+def ep_all_to_all_bytes(model: ModelConfig, lay: Layout, tokens: float) -> float:
+    """Bytes one rank sends in a layer's MoE all_to_alls per microbatch (mean over layers): each token's hidden
+    state once per other rank holding one of its experts (``ep_rows_per_token``), dispatched and combined in
+    forward and again in backward (4 transfers; 6 with full recompute), and with each row its routing weights
+    for that rank's E/EP experts (fp32) and their gradients (2 transfers; 3)."""
+    if model.num_experts is None or lay.ep == 1:
+        return 0.0
+    moe_fraction = sum(model.is_moe_layer(i) for i in range(model.num_layers)) / model.num_layers
+    full = lay.recompute == "full"
+    row = (6 if full else 4) * model.hidden_size * activation_element_bytes(lay.precision)
+    row += (3 if full else 2) * 4 * model.num_experts // lay.ep
+    return moe_fraction * tokens * ep_rows_per_token(model, lay.ep) * row
 
 
 def _gemm_time(flops: float, smallest: float, peak: float, eff: float) -> float:
@@ -112,15 +149,16 @@ def _link(cluster: Cluster, group_stride: int, group_size: int) -> float:
 
 def _layer(model: ModelConfig, lay: Layout, cluster: Cluster, features: RunFeatures) -> _Layer:
     peak, eff = cluster.peak_tflops * 1e12, cluster.eff
-    h, f, gd, tp, cp = model.hidden_size, model.ffn_size, model.kv_heads * model.head_dim, lay.tp, lay.cp
+    h, gd, tp, cp = model.hidden_size, model.kv_heads * model.head_dim, lay.tp, lay.cp
     q = model.num_attention_heads * model.head_dim
     e = activation_element_bytes(lay.precision)
     tokens = lay.micro_batch * model.seq_length / cp  # per rank per microbatch
+    f = mlp_width_per_rank(model, tp)  # MoE: the active width (k experts, not TP-split, + shared expert)
     up = f * (2 if model.swiglu else 1)
     qkv = _gemm_time(2 * tokens * h * (q + 2 * gd) / tp, min(tokens, (q + 2 * gd) / tp, h), peak, eff.gemm)
     proj = _gemm_time(2 * tokens * q * h / tp, min(tokens, h, q / tp), peak, eff.gemm)
-    mlp_up = _gemm_time(2 * tokens * h * up / tp, min(tokens, up / tp, h), peak, eff.gemm)
-    mlp_down = _gemm_time(2 * tokens * f * h / tp, min(tokens, h, f / tp), peak, eff.gemm)
+    mlp_up = _gemm_time(2 * tokens * h * up, min(tokens, up, h), peak, eff.gemm)
+    mlp_down = _gemm_time(2 * tokens * f * h, min(tokens, h, f), peak, eff.gemm)
     gemm_fwd = qkv + proj + mlp_up + mlp_down
     block = model.seq_length / (2 * cp) if cp > 1 else model.seq_length  # CP's load-balanced query/key chunks
     core_flops = 4 * tokens * model.seq_length * q / tp  # every query against all keys of the sequence
@@ -142,6 +180,8 @@ def _layer(model: ModelConfig, lay: Layout, cluster: Cluster, features: RunFeatu
         tp_comm = collectives * tokens * h * e * (tp - 1) / tp / _link(cluster, 1, tp)
         # An overlapped TP collective hides behind its GEMM; what is longer than the GEMM shows.
         out.tp_comm = max(0.0, tp_comm - 3 * gemm_fwd) if features.tp_comm_overlap else tp_comm
+    if lay.ep > 1:
+        out.ep_comm = ep_all_to_all_bytes(model, lay, tokens) / _link(cluster, tp * cp, lay.ep)
     if cp > 1:
         # Each of the CP - 1 ring steps sends one K, V chunk while computing one block (forward; backward 2x both).
         step_comm = 2 * tokens * gd / tp * e / _link(cluster, tp, cp)
@@ -199,7 +239,7 @@ def step_time(
     """(seconds per iteration, breakdown in seconds) of ``layout``; ``global_batch`` is implied by the layout."""
     lay = layout
     layer = _layer(model, lay, cluster, features)
-    per_layer = layer.total + layer.tp_comm + layer.cp_exposed
+    per_layer = layer.total + layer.tp_comm + layer.cp_exposed + layer.ep_comm
     head = _head_time(model, lay, cluster)
     counts = stage_layer_counts(model.num_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
     stage_times = [c * per_layer + (head if i == len(counts) - 1 else 0.0) for i, c in enumerate(counts)]
@@ -222,6 +262,7 @@ def step_time(
         compute_s=m * (layers * layer.total + (per_mb - layers * per_layer)),
         tp_comm_s=m * layers * layer.tp_comm,
         cp_exposed_s=m * layers * layer.cp_exposed,
+        ep_all_to_all_s=m * layers * layer.ep_comm,
         pipeline_bubble_s=bubble,
         p2p_s=p2p,
         dp_exposed_s=dp,

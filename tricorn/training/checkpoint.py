@@ -10,6 +10,10 @@ optimizer and at any ZeRO stage, loads any other:
     optim.<name>.exp_avg/.exp_avg_sq   Adam moments, same shape and split as the parameter
     optim.<name>.master            fp32 master weights (only when parameters are bf16/fp16)
 
+A mixture of experts' stacked weights are saved one expert at a time, as model.<...>.experts.<e>.w1 etc.
+with that expert's global index (checkpoint_pieces.py), so the expert-parallel split is free to change;
+the MoE router's expert bias (--moe-router-enable-expert-bias, no optimizer state) is saved whole by one
+rank per pipeline stage and read whole by every rank holding its layer.
 A tied head copy on the last pipeline stage is not saved; it loads from the
 embedding. Non-tensor state is JSON/YAML (checkpoint_io.py): iteration,
 consumed samples, optimizer step, loss scaler, layout, config, and per-rank
@@ -18,7 +22,8 @@ otherwise re-derived from the seed and the iteration).
 
 Streaming (checkpoint_pieces.py): each rank writes only the pieces it owns - per parameter the range of
 its TP-local tensor that its optimizer shard covers (1/(DP x CP) with the distributed optimizer, at any ZeRO
-stage; without it DP rank 0's copy), cut into global rectangles - straight from its live flat buffers:
+stage, 1/expert-DP of the experts under EP; without it DP rank 0's copy, expert-DP rank 0's for experts),
+cut into global rectangles - straight from its live flat buffers:
 parameter values, fp32 master, Adam moments. A load asks DCP for the pieces this rank owns in the new
 layout and reads them into the same buffers; the parameters then follow the masters, and the distributed
 optimizer all-gathers them (ZeRO-1/2; ZeRO-3 keeps its shards). Nothing is gathered per parameter, and
@@ -60,11 +65,11 @@ import torch.distributed as dist
 from torch import nn
 
 from tricorn.config import Config, dump_yaml
-from tricorn.model.init import INIT_KEY_ATTR, global_shape, shard_info
+from tricorn.model.init import INIT_KEY_ATTR, is_expert, shard_info
 from tricorn.parallel.state import ParallelState
 from tricorn.training import checkpoint_io as io
 from tricorn.training.checkpoint_io import CheckpointError
-from tricorn.training.checkpoint_pieces import Piece, owned_pieces, owned_tensor
+from tricorn.training.checkpoint_pieces import Piece, owned_parts, owned_tensor
 from tricorn.training.checksums import file_checksums
 from tricorn.training.lr_schedule import learning_rate
 from tricorn.training.staging import HostStaging, Staged
@@ -79,6 +84,14 @@ def _named_params(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
 
 def _is_copy(p: torch.Tensor) -> bool:
     return hasattr(p, INIT_KEY_ATTR)
+
+
+def _frozen(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """Parameters outside the optimizer (the MoE expert bias), which checkpoints save whole."""
+    return [(n, p) for n, p in _named_params(chunks) if not p.requires_grad]
+
+
+Where = tuple[tuple[int, ...], list[Piece]]  # a checkpoint tensor's global shape and the pieces this rank holds
 
 
 class Checkpointer:
@@ -110,6 +123,7 @@ class Checkpointer:
             "vpp": self.cfg.virtual_stages,
             "cp": s.cp_size,
             "dp": s.dp_size,
+            "ep": p.expert_model_parallel_size,
             "world": s.world_size,
             "distributed_optimizer": p.use_distributed_optimizer,
             "zero_stage": p.zero_stage,
@@ -142,27 +156,37 @@ class Checkpointer:
             "saved_at": time.time(),
         }
 
-    def _owned(self, trainer) -> dict[str, tuple[torch.Tensor, nn.Parameter, list[Piece]]]:
-        """Checkpoint name -> (a flat owned buffer, its parameter, the global pieces it holds) for what this rank
-        writes: its optimizer shard's range of every parameter, once per DP replica group and TP replica."""
+    def _writes(self, p: nn.Parameter, sharded: bool) -> bool:
+        """Whether this rank writes its owned range of `p`: never the tied twin (the embedding's is saved); a
+        TP-replicated tensor (MoE experts too) on TP rank 0 only; with unsharded state (DDP, or a frozen
+        parameter) on rank 0 of the ranks holding the same copy (expert-DP for experts, else DP x CP)."""
+        if _is_copy(p):
+            return False
+        info = shard_info(p)
+        if (info is None or info.world == 1 or is_expert(p)) and self.state.tp_rank != 0:
+            return False
+        return sharded or dist.get_rank(self.state.replica_group(is_expert(p))) == 0
+
+    def _owned(self, trainer) -> dict[str, tuple[torch.Tensor, Where]]:
+        """Checkpoint name -> (a flat owned buffer, (global shape, the pieces it holds)) for what this rank writes:
+        its optimizer shard's range of every parameter, once per replica group and TP replica; and the frozen
+        parameters (the MoE expert bias, moved by token counts, not by the optimizer) whole, once."""
         opt = trainer.optimizer
-        if not opt.opts.distributed and dist.get_rank(self.state.dp_cp_group) != 0:
-            return {}  # every DP rank holds everything: DP rank 0 writes it
         names = {id(p): n for n, p in _named_params(trainer.chunks)}
-        out: dict[str, tuple[torch.Tensor, nn.Parameter, list[Piece]]] = {}
+        out: dict[str, tuple[torch.Tensor, Where]] = {}
         for ps in opt.sharded_param_state():
             p = ps.param
-            info = shard_info(p)
-            replicated_over_tp = info is None or info.world == 1
-            if _is_copy(p) or (replicated_over_tp and self.state.tp_rank != 0):
-                continue  # the tied twin is the embedding's; a TP-replicated parameter is written by TP rank 0
-            pieces = owned_pieces(p, ps.start, ps.stop)
-            if not pieces:
+            if not self._writes(p, opt.opts.distributed):
                 continue
-            name = names[id(p)]
-            out[f"model.{name}"] = (ps.value, p, pieces)
             fields = MOMENTS + (() if p.dtype == torch.float32 else ("master",))
-            out.update({f"optim.{name}.{f}": (getattr(ps, f), p, pieces) for f in fields})
+            for part in owned_parts(names[id(p)], p, ps.start, ps.stop):
+                where = (part.shape, part.pieces)
+                out[f"model.{part.name}"] = (ps.value[part.lo : part.hi], where)
+                out.update({f"optim.{part.name}.{f}": (getattr(ps, f)[part.lo : part.hi], where) for f in fields})
+        for name, p in _frozen(trainer.chunks):
+            if self._writes(p, sharded=False):
+                for part in owned_parts(name, p, 0, p.numel()):
+                    out[f"model.{part.name}"] = (p.detach().view(-1)[part.lo : part.hi], (part.shape, part.pieces))
         return out
 
     # ------------------------------------------------------------ saving
@@ -182,11 +206,11 @@ class Checkpointer:
         owned = self._owned(trainer)
         staged = None
         if self.cfg.checkpoint.async_save:  # the stall of an async save: queue copies to host memory (staging.py)
-            staged = self.staging.stage({k: (t, (p, pieces)) for k, (t, p, pieces) in owned.items()})
-            owned = {k: (t, p, pieces) for k, (t, (p, pieces)) in staged.tensors.items()}
+            staged = self.staging.stage(owned)
+            owned = staged.tensors
             if staged.done is not None:
                 trainer.step_fences.append(staged.done)  # the next optimizer step waits for the copies
-        tensors = {k: owned_tensor(t, p, pieces) for k, (t, p, pieces) in owned.items()}
+        tensors = {k: owned_tensor(t, shape, pieces) for k, (t, (shape, pieces)) in owned.items()}
         if not self.cfg.checkpoint.async_save:
             self._write(tensors, meta, rng, tmp, it)
             self.last_saved = it
@@ -324,34 +348,39 @@ class Checkpointer:
             more = f" ({len(errors) - 1} more files differ)" if len(errors) > 1 else ""
             raise CheckpointError(errors[0] + more)
 
-    def _check_entry(self, key: str, p: torch.Tensor, md) -> None:
+    def _check_entry(self, key: str, shape: tuple[int, ...], md) -> None:
         entry = md.state_dict_metadata.get(key)
         if entry is None or not hasattr(entry, "size"):
             raise CheckpointError(f"checkpoint lacks tensor {key!r}; it was saved from a different model")
-        if tuple(entry.size) != global_shape(p):
-            raise CheckpointError(f"checkpoint tensor {key!r} has shape {tuple(entry.size)}, this model needs {global_shape(p)}")
+        if tuple(entry.size) != shape:
+            raise CheckpointError(f"checkpoint tensor {key!r} has shape {tuple(entry.size)}, this model needs {shape}")
 
     def _load_tensors(self, trainer, path: Path, md, load_optim: bool, meta: dict) -> None:
-        """Read the pieces this rank owns in this layout straight into its master and moment buffers."""
+        """Read the pieces this rank owns in this layout straight into its master and moment buffers, and the
+        frozen parameters (the MoE expert bias) whole into every rank's copy."""
         opt = trainer.optimizer
         owned = {id(ps.param): ps for ps in opt.sharded_param_state()}
         keys = md.state_dict_metadata
         targets: dict[str, Any] = {}
         for name, p in _named_params(trainer.chunks):
-            master = f"optim.{name}.master"  # the exact fp32 weights when the saving run was mixed precision
-            weight_key = master if master in keys else f"model.{name}"
-            self._check_entry(weight_key, p, md)
-            ps = owned.get(id(p))
-            pieces = owned_pieces(p, ps.start, ps.stop) if ps is not None else []
-            if not pieces:
+            if not p.requires_grad:
+                for part in owned_parts(name, p, 0, p.numel()):
+                    self._check_entry(f"model.{part.name}", part.shape, md)
+                    targets[f"model.{part.name}"] = owned_tensor(p.data.view(-1)[part.lo : part.hi], part.shape, part.pieces)
                 continue
-            if weight_key in targets:
-                raise CheckpointError(f"{name} appears twice on one rank (a tied head beside its embedding)")
-            targets[weight_key] = owned_tensor(ps.master, p, pieces)
-            if load_optim:
-                for f in MOMENTS:
-                    self._check_entry(f"optim.{name}.{f}", p, md)
-                    targets[f"optim.{name}.{f}"] = owned_tensor(getattr(ps, f), p, pieces)
+            for part in owned_parts(name, p, 0, p.numel()):  # every tensor of the parameter, owned or not
+                self._check_entry(self._weight_key(part.name, keys), part.shape, md)
+            ps = owned.get(id(p))
+            for part in owned_parts(name, p, ps.start, ps.stop) if ps is not None else []:
+                weight_key = self._weight_key(part.name, keys)
+                if weight_key in targets:
+                    raise CheckpointError(f"{name} appears twice on one rank (a tied head beside its embedding)")
+                targets[weight_key] = owned_tensor(ps.master[part.lo : part.hi], part.shape, part.pieces)
+                if load_optim:
+                    for f in MOMENTS:
+                        self._check_entry(f"optim.{part.name}.{f}", part.shape, md)
+                        flat = getattr(ps, f)[part.lo : part.hi]
+                        targets[f"optim.{part.name}.{f}"] = owned_tensor(flat, part.shape, part.pieces)
         io.dcp_load(targets, path, self.group)
         with torch.no_grad():
             if load_optim:
@@ -359,6 +388,12 @@ class Checkpointer:
                 for ps in owned.values():
                     ps.step.fill_(step)
             opt.params_from_masters()
+
+    @staticmethod
+    def _weight_key(name: str, keys) -> str:
+        """The exact fp32 master weights when the saving run was mixed precision, else the saved values."""
+        master = f"optim.{name}.master"
+        return master if master in keys else f"model.{name}"
 
     def _load_progress(self, trainer, meta: dict, load_optim: bool) -> None:
         trainer.iteration = int(meta["iteration"])
@@ -418,4 +453,5 @@ class Checkpointer:
 
 def _layout_str(layout: dict) -> str:
     opt = f", distributed optimizer ZeRO-{layout['zero_stage']}" if layout.get("distributed_optimizer") else ""
-    return f"TP {layout['tp']} x PP {layout['pp']} (VPP {layout['vpp']}) x CP {layout['cp']} x DP {layout['dp']}{opt}"
+    ep = f" (EP {layout['ep']})" if layout.get("ep", 1) > 1 else ""
+    return f"TP {layout['tp']} x PP {layout['pp']} (VPP {layout['vpp']}) x CP {layout['cp']} x DP {layout['dp']}{ep}{opt}"

@@ -291,6 +291,10 @@ SHAPE_FIELDS = (
     "untie_embeddings_and_output_weights",
     "position_embedding_type",
     "normalization",
+    "num_experts",
+    "moe_ffn_size",
+    "moe_layer_freq",
+    "moe_shared_expert_intermediate_size",
 )
 
 

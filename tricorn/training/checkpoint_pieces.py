@@ -10,13 +10,20 @@ flat owned state (parameter values, master, moments), in a ShardedTensor whose m
 chunks: DCP merges every rank's chunks into the checkpoint's metadata on save, and on load reads whatever
 saved chunks overlap the requested ones, so any layout loads any other (TP, PP, VPP, DP, CP, ZeRO stage).
 
+A mixture of experts' stacked weight [E/EP, rows, cols] (the rank's experts of E, model/moe.py) is saved as
+one 2-D tensor per expert under the expert's global name (``expert_name``: ...experts.<e>.w1): ``owned_parts``
+cuts the owned range at expert boundaries, and each part is pieces of its expert's matrix - so a checkpoint
+does not depend on the expert-parallel split, and an expert loads on whichever rank holds it.
+
 Nothing is gathered and nothing is copied: a save writes from, and a load reads into, the optimizer's own
 flat buffers. No collectives here (DCP's plan gathers are the only ones).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -25,7 +32,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed._shard.sharding_spec import ShardingSpec
 
-from tricorn.model.init import global_shape, shard_info
+from tricorn.model.init import ShardInfo, expert_name, global_shape, is_expert, shard_info
 
 
 @dataclass(frozen=True)
@@ -59,11 +66,44 @@ def _rectangles(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[int
     return out
 
 
+@dataclass(frozen=True)
+class OwnedPart:
+    """Elements [lo, hi) of the owned flat range that hold (part of) the global tensor `name` of `shape`;
+    the pieces' lo/hi count from `lo`."""
+
+    name: str
+    lo: int
+    hi: int
+    shape: tuple[int, ...]
+    pieces: list[Piece]
+
+
+def owned_parts(name: str, p: torch.Tensor, start: int, stop: int) -> list[OwnedPart]:
+    """The global tensors elements [start, stop) of p.view(-1) belong to: `name` itself, or for MoE experts one
+    tensor per expert (module docstring); parts without real elements are left out."""
+    if not is_expert(p):
+        pieces = owned_pieces(p, start, stop)
+        return [OwnedPart(name, 0, stop - start, global_shape(p), pieces)] if pieces else []
+    shape, first = tuple(p.shape[1:]), shard_info(p).real_range()[0]
+    size = math.prod(shape)
+    parts = []
+    for j in range(start // size, -(-stop // size)):
+        lo, hi = max(start, j * size), min(stop, (j + 1) * size)
+        if hi <= lo:
+            continue
+        pieces = _pieces(shape, None, lo - j * size, hi - j * size)
+        parts.append(OwnedPart(expert_name(name, first + j), lo - start, hi - start, shape, pieces))
+    return parts
+
+
 def owned_pieces(p: torch.Tensor, start: int, stop: int) -> list[Piece]:
     """The global rectangles of elements [start, stop) of p.view(-1), real rows only (module docstring)."""
-    info = shard_info(p)
+    return _pieces(tuple(p.shape), shard_info(p), start, stop)
+
+
+def _pieces(shape: tuple[int, ...], info: Optional[ShardInfo], start: int, stop: int) -> list[Piece]:
     pieces = []
-    for first, offsets, sizes in _rectangles(tuple(p.shape), start, stop):
+    for first, offsets, sizes in _rectangles(shape, start, stop):
         offsets, sizes = list(offsets), list(sizes)
         if info is not None:
             shift, real = info.real_range()
@@ -106,8 +146,8 @@ def _own_storage(view: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=view.dtype).set_(storage, 0, view.shape)
 
 
-def owned_tensor(flat: torch.Tensor, p: torch.Tensor, pieces: list[Piece]) -> ShardedTensor:
-    """A ShardedTensor over `p`'s global shape whose local shards are views of `flat` (the owned range)."""
+def owned_tensor(flat: torch.Tensor, shape: tuple[int, ...], pieces: list[Piece]) -> ShardedTensor:
+    """A ShardedTensor of global `shape` whose local shards are views of `flat` (the owned range)."""
 
     placement = f"rank:{dist.get_rank()}/{flat.device}"
     shards, metas = [], []
@@ -122,7 +162,7 @@ def owned_tensor(flat: torch.Tensor, p: torch.Tensor, pieces: list[Piece]) -> Sh
         memory_format=torch.contiguous_format,
         pin_memory=flat.is_pinned(),
     )
-    metadata = ShardedTensorMetadata(metas, torch.Size(global_shape(p)), props)
+    metadata = ShardedTensorMetadata(metas, torch.Size(shape), props)
     # Built as torch's _init_from_local_shards_and_global_metadata does, minus its whole-tensor coverage check.
     tensor = ShardedTensor.__new__(
         ShardedTensor,

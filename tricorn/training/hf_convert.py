@@ -336,6 +336,10 @@ def export_hf(
     ckpt = find_checkpoint_dir(load, ckpt_step)
     meta = io.read_meta(ckpt)
     m = read_model_config(ckpt)
+    if m.num_experts is not None:
+        raise ConvertError(
+            f"{ckpt} is a mixture-of-experts model (--num-experts {m.num_experts}); export-hf writes dense Llama only"
+        )
     md = io.read_dcp_metadata(ckpt)
     io.check_files(ckpt, md)
     sources, out_dtype = _sources(ckpt, md, m, dtype)

@@ -32,6 +32,7 @@ from tricorn.config import Config
 from tricorn.data.base import Batch, GlobalBatchLoader
 from tricorn.parallel.batch_schedule import MicrobatchCalculator
 from tricorn.parallel.context import slice_batch
+from tricorn.parallel.expert import MoEMonitor
 from tricorn.parallel.state import ParallelState
 from tricorn.parallel.step import StepContext, forward_backward_no_pipelining
 from tricorn.timers import (
@@ -86,6 +87,7 @@ class Trainer:
     on_iteration_end: Optional[Callable[[Trainer], bool]] = None
     step_fences: list = field(default_factory=list)  # CUDA events the next optimizer step waits for (async save staging)
     _nan_first: Optional[torch.Tensor] = None  # [iteration, loss, grad norm] of the first non-finite iteration (device)
+    moe: Optional[MoEMonitor] = None  # router statistics and the expert-bias update (parallel/expert.py)
 
     # ------------------------------------------------------------ batches
 
@@ -129,6 +131,8 @@ class Trainer:
         with self.timers(OPTIMIZER_STEP):
             self._wait_step_fences()
             info = self.optimizer.step()
+        if self.moe is not None:
+            self.moe.after_step(info.skipped)  # the skip flag stays on the device
         return self._reduce_loss(local_loss), info
 
     def _wait_step_fences(self) -> None:
@@ -198,20 +202,29 @@ class Trainer:
                 f"(detected after iteration {self.iteration}; --nan-check-interval 1 checks every iteration)"
             )
 
-    def materialize(self) -> None:
-        """Read the unlogged results' device values into Python numbers with one host read."""
+    def materialize(self, extra: Optional[torch.Tensor] = None) -> list[float]:
+        """Read the unlogged results' device values into Python numbers, and `extra`'s values (returned, flat),
+        with one host read."""
         fields = ("loss", "grad_norm", "skipped", "loss_scale")
         pending = [(r, f) for r in self.unlogged for f in fields if isinstance(getattr(r, f), torch.Tensor)]
-        if pending:
-            values = torch.stack([getattr(r, f).detach().to(self.state.device, torch.float64).reshape(()) for r, f in pending])
-            for (r, f), v in zip(pending, values.tolist()):
-                setattr(r, f, bool(v) if f == "skipped" else v)
+        parts = [getattr(r, f).detach().to(self.state.device, torch.float64).reshape(1) for r, f in pending]
+        if extra is not None:
+            parts.append(extra.detach().to(self.state.device, torch.float64).flatten())
+        values = torch.cat(parts).tolist() if parts else []
+        for (r, f), v in zip(pending, values):
+            setattr(r, f, bool(v) if f == "skipped" else v)
         self.skipped_iterations += sum(int(r.skipped) for r, f in pending if f == "skipped")
+        return values[len(pending) :]
 
     def log(self, r: IterationResult) -> None:
         """Console line, TensorBoard and metrics of the iterations since the last log (logging.py); all ranks call it."""
-        self.materialize()
+        moe = self.moe.collect() if self.moe is not None else None  # router statistics (collectives, on the device)
+        moe_values = self.materialize(moe)
         self.logger.log_iteration(self)
+        if self.moe is not None:
+            values = self.moe.values(moe_values)
+            self.logger.scalars(self.iteration, values)
+            self.logger.record(self.iteration, {"moe": values})
 
     def train(self) -> None:
         t, d = self.cfg.training, self.cfg.data

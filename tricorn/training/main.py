@@ -58,6 +58,7 @@ def build(cfg: Config, state):
     """Model chunks, optimizer, loaders and the forward/backward function for this rank."""
     from tricorn.model.init import InitSpec, materialize
     from tricorn.parallel.context import apply_context_parallel
+    from tricorn.parallel.expert import apply_expert_parallel
     from tricorn.parallel.optimizer import Optimizer
     from tricorn.parallel.pipeline.build import build_model_chunks
     from tricorn.parallel.pipeline.executor import PipelineExecutor
@@ -68,6 +69,7 @@ def build(cfg: Config, state):
 
     tracker = seed_everything(cfg.training.seed, state.pp_rank, state.tp_rank, state.device)
     spec = apply_context_parallel(tensor_parallel_spec(cfg, state.tp_group), state.cp_group, cfg.model.seq_length)
+    spec = apply_expert_parallel(spec, state.ep_group)
     if cfg.model.transformer_impl == "transformer_engine":
         from tricorn.parallel.te import te_spec
 
@@ -104,7 +106,8 @@ def cast_params(model, cfg: Config) -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.param_dtype_name)
     if dtype is not None:
         for p in model.parameters():
-            cast_parameter(p, dtype)
+            if p.requires_grad:  # the MoE expert bias (moved by counts, not gradients) stays fp32
+                cast_parameter(p, dtype)
 
 
 def build_loaders(cfg: Config, state):
@@ -125,6 +128,7 @@ def build_loaders(cfg: Config, state):
 
 def build_trainer(cfg: Config, state, logger, with_validation: bool = True):
     """The whole training setup of this rank: (Trainer, RNG tracker). Used by main() and the benchmarks."""
+    from tricorn.parallel.expert import MoEMonitor
     from tricorn.timers import Timers
     from tricorn.training.loop import Trainer
 
@@ -141,6 +145,7 @@ def build_trainer(cfg: Config, state, logger, with_validation: bool = True):
         logger,
         forward_backward,
         timers=timers,
+        moe=MoEMonitor.for_model(cfg, chunks, state),
     )
     return trainer, tracker
 

@@ -1,7 +1,7 @@
 """What the logger measures on each rank: memory, the parameter norm, parameter counts, a max over ranks.
 
-Collectives: ``params_norm`` one scalar all-reduce over TP x PP (and one over DP x CP with the distributed
-optimizer); ``parameter_counts`` one all-gather of 4 integers per rank over the world;
+Collectives: ``params_norm`` one scalar all-reduce over TP x PP (and one over EP with MoE experts, or over
+DP x CP with the distributed optimizer); ``parameter_counts`` one all-gather of 4 integers per rank over the world;
 ``max_over_ranks`` one all-reduce (max) of a short vector. Memory: scalars only (the norm streams over the
 owned parameter ranges; nothing is gathered).
 """
@@ -33,25 +33,20 @@ def memory_bytes(device: torch.device) -> tuple[float, float]:
 
 
 def params_norm(chunks: list[torch.nn.Module], state: Any, optimizer: Any = None) -> float:
-    """L2 norm of all parameters, each counted once over TP/PP (grads.py's rule) and over DP.
+    """L2 norm of all parameters, each counted once over TP/PP/EP and DP (grads.py's rule for the gradient norm).
 
     Streams: with an optimizer, each rank sums the squares of the parameter ranges it owns (its optimizer
-    shard: 1/(DP x CP) under the distributed optimizer, whatever the ZeRO stage), one range at a time, so
-    nothing is gathered; the sums are then reduced over TP x PP (and DP x CP when sharded).
+    shard: 1/(DP x CP) under the distributed optimizer, whatever the ZeRO stage), so nothing is gathered; the
+    sums are then reduced as the gradient norm's are (TP x PP, EP for MoE experts, DP x CP when sharded).
     """
-    from tricorn.parallel.grads import counts_for_norm
+    from tricorn.parallel.grads import global_grad_norm
 
-    squares = torch.zeros((), dtype=torch.float32, device=state.device)
     if optimizer is None:
-        values = [p.detach() for chunk in chunks for p in chunk.parameters() if counts_for_norm(p, state)]
-    else:
-        values = [ps.value for ps in optimizer.sharded_param_state() if counts_for_norm(ps.param, state)]
-    for v in values:
-        squares += torch.linalg.vector_norm(v, dtype=torch.float32).to(state.device).pow(2)
-    dist.all_reduce(squares, group=state.mp_group)
-    if optimizer is not None and optimizer.opts.distributed:
-        dist.all_reduce(squares, group=state.dp_cp_group)
-    return squares.sqrt().item()
+        params = [p for chunk in chunks for p in chunk.parameters()]
+        return global_grad_norm(params, state, grad_fn=lambda p: p.detach()).item()
+    owned = {id(ps.param): ps.value for ps in optimizer.sharded_param_state()}
+    params = [ps.param for ps in optimizer.sharded_param_state()]
+    return global_grad_norm(params, state, dp_sharded=optimizer.opts.distributed, grad_fn=lambda p: owned.get(id(p))).item()
 
 
 def cpu_peak_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
@@ -79,17 +74,19 @@ class ParameterCounts:
 
 def parameter_counts(chunks: list[torch.nn.Module], state: Any) -> ParameterCounts:
     """Collectives: one all-gather over the world (4 integers per rank)."""
-    from tricorn.model.init import shard_info
+    from tricorn.model.init import is_expert, shard_info
     from tricorn.parallel.grads import counts_for_norm
 
     def once_over_tp(p: torch.Tensor) -> bool:  # TP shards on every TP rank, TP-replicated ones on TP rank 0
         info = shard_info(p)
-        return (info is not None and info.world > 1) or state.tp_rank == 0
+        return (info is not None and info.world > 1 and not is_expert(p)) or state.tp_rank == 0
+
+    def replica0(p: torch.Tensor) -> bool:  # DP/CP replicas (expert-DP for MoE experts) hold the same parameters
+        return dist.get_rank(state.replica_group(is_expert(p))) == 0
 
     params = [p for c in chunks for p in c.parameters()]
-    replica0 = int(state.dp_rank == 0 and state.cp_rank == 0)  # DP/CP replicas hold the same parameters
-    counted = sum(p.numel() for p in params if counts_for_norm(p, state)) * replica0
-    on_stage = sum(p.numel() for p in params if once_over_tp(p)) * replica0  # a tied head copy counts here
+    counted = sum(p.numel() for p in params if counts_for_norm(p, state) and replica0(p))
+    on_stage = sum(p.numel() for p in params if once_over_tp(p) and replica0(p))  # a tied head copy counts here
     mine = torch.tensor([sum(p.numel() for p in params), counted, state.pp_rank, on_stage], device=state.device)
     rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine)

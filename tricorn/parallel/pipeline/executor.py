@@ -51,7 +51,7 @@ from tricorn.parallel.pipeline.schedules import (
     schedule_for,
 )
 from tricorn.parallel.pipeline.stages import layout_from_config
-from tricorn.parallel.step import StepContext
+from tricorn.parallel.step import StepContext, set_moe_aux_weight
 from tricorn.timers import PIPELINE_P2P_WAIT
 
 Key = tuple[int, int]  # (microbatch, chunk)
@@ -144,6 +144,7 @@ class PipelineExecutor:
     def _backward(self, a: Action, run: _Run, is_last: bool) -> None:
         key = (a.microbatch, a.chunk)
         out = run.outputs.pop(key)
+        set_moe_aux_weight(run.ctx, run.batch(a.microbatch))
         with run.ctx.optimizer.microbatch(is_last=is_last, chunk=a.chunk):
             if is_last_stage(self.pp_rank, a.chunk, self.pp, self.vpp):
                 run.ctx.optimizer.scale_loss(out).backward()
