@@ -155,6 +155,41 @@ def test_aux_loss_value_and_gradient():
         set_aux_loss_scale(torch.tensor(1.0))
 
 
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_sequence_shards_add_up_to_the_whole_sequence(score):
+    """Under SP each TP rank routes its sequence shard: with the whole sequence's counts (spec.sequence_sum) the
+    shards' outputs are the layer's, their aux losses and router / expert gradients add up to the layer's."""
+    import dataclasses
+
+    cfg = cfg_for(moe_aux_loss_coeff=0.1, moe_router_score_function=score)
+    layer = make(cfg)
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    whole = layer.router(x.reshape(-1, 16)).tokens_per_expert
+    spec = dataclasses.replace(local_spec(), sequence_shards=2, sequence_sum=lambda counts: whole.clone())
+    shard_layer = moe_mlp(cfg, spec).double()
+    shard_layer.load_state_dict(layer.state_dict())
+    params = [layer.router.weight, layer.experts.w1, layer.experts.w2]
+    assert all(getattr(p, "sequence_parallel", False) for p in shard_layer.parameters())  # grads.py sums them over TP
+    assert not any(hasattr(p, "sequence_parallel") for p in layer.parameters())
+    set_aux_loss_scale(torch.tensor(0.25))
+    try:
+        out = layer(x)
+        grads = torch.autograd.grad(out.sum(), params)
+        aux, shard_grads = 0.0, [torch.zeros_like(p) for p in params]
+        for shard in x.chunk(2, dim=1):
+            shard_out = shard_layer(shard)
+            torch.testing.assert_close(shard_out, reference(layer, shard), rtol=TOL, atol=TOL)
+            aux = aux + shard_layer.router(shard.reshape(-1, 16)).aux_loss
+            shard_params = [shard_layer.router.weight, shard_layer.experts.w1, shard_layer.experts.w2]
+            for acc, g in zip(shard_grads, torch.autograd.grad(shard_out.sum(), shard_params)):
+                acc += g
+    finally:
+        set_aux_loss_scale(torch.tensor(1.0))
+    torch.testing.assert_close(aux, layer.router(x.reshape(-1, 16)).aux_loss, rtol=TOL, atol=TOL)
+    for g, want in zip(shard_grads, grads):
+        torch.testing.assert_close(g, want, rtol=TOL, atol=TOL)
+
+
 def test_expert_bias_update_moves_towards_mean_load():
     router = Router(cfg_for(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True))
     update_expert_bias(router, torch.tensor([8.0, 2.0, 5.0, 5.0]), rate=0.01)
@@ -217,10 +252,6 @@ def test_flops_and_params_count_active_experts():
         ("--num-experts 3 --disable-bias-linear --expert-model-parallel-size 2", "--num-experts 3 is not divisible by"),
         ("--num-experts 4 --disable-bias-linear --expert-model-parallel-size 4", "must divide DP x CP = 2"),
         ("--num-experts 2 --disable-bias-linear --moe-expert-capacity-factor 0", "--moe-expert-capacity-factor must be"),
-        (
-            "--num-experts 2 --disable-bias-linear --tensor-model-parallel-size 2 --sequence-parallel",
-            "--num-experts with --sequence-parallel is not supported yet",
-        ),
     ],
 )
 def test_bad_moe_flags_are_one_line(flags, message):

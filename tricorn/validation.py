@@ -127,8 +127,6 @@ def validate_moe(cfg: Config) -> list[str]:
         errs.append(f"--moe-router-topk {m.moe_router_topk} exceeds --num-experts {m.num_experts}")
     if not m.disable_bias_linear:
         errs.append("--num-experts needs --disable-bias-linear (experts have no biases, as in Mixtral and DeepSeek)")
-    if p.sequence_parallel:
-        errs.append("--num-experts with --sequence-parallel is not supported yet; drop --sequence-parallel")
     statistics = m.moe_aux_loss_coeff or m.moe_expert_capacity_factor or m.moe_router_enable_expert_bias
     if p.context_parallel_size > 1 and statistics:
         errs.append(

@@ -45,7 +45,7 @@ Memory: the sorted token copies and their FFN intermediates, T*k rows instead of
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -135,8 +135,12 @@ class Routing:
 
 
 class Router(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`shards` ranks each route a shard of the microbatch's tokens (sequence parallelism); `sequence_sum` sums a
+    tensor over them (collective-free model: the spec provides it)."""
+
+    def __init__(self, cfg: ModelConfig, shards: int = 1, sequence_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
         super().__init__()
+        self.shards, self.sequence_sum = shards, sequence_sum
         self.num_experts, self.topk = cfg.num_experts, cfg.moe_router_topk
         self.score_function = cfg.moe_router_score_function
         self.aux_coeff = cfg.moe_aux_loss_coeff
@@ -186,8 +190,12 @@ class Router(nn.Module):
             return scores.new_zeros(())
         if self.score_function == "sigmoid":
             scores = scores / scores.sum(-1, keepdim=True)
-        tokens = scores.shape[0]
-        scale = self.aux_coeff * self.num_experts / (tokens * tokens * self.topk)
+        if self.sequence_sum is not None:
+            counts = self.sequence_sum(counts)
+        # Under SP `counts` cover the whole sequence and `scores` this rank's shard: this rank's term of the
+        # single-process sum (its gradient reaches exactly this shard's scores; the terms add up over the shards).
+        local = scores.shape[0]
+        scale = self.aux_coeff * self.num_experts / ((local * self.shards) ** 2 * self.topk)
         return (scores.sum(0) * counts.to(scores.dtype)).sum() * scale
 
     def _kept(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -326,12 +334,15 @@ class MoEMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, shared_expert: Optional[nn.Module] = None):
         super().__init__()
         self.num_experts = cfg.num_experts
-        self.router = Router(cfg)
+        self.router = Router(cfg, spec.sequence_shards, spec.sequence_sum)
         ep_rank, ep = spec.expert_parallel
         self.experts = Experts(cfg, cfg.num_experts // ep)
         for w in (self.experts.w1, self.experts.w2):
             setattr(w, SHARD_ATTR, ShardInfo(dim=0, rank=ep_rank, world=ep, full_size=cfg.num_experts))
             setattr(w, EXPERT_ATTR, True)
+        if spec.sequence_shards > 1:  # replicated over TP, fed a sequence shard: grads.py sums their grads over TP
+            for p in (self.router.weight, self.experts.w1, self.experts.w2):
+                p.sequence_parallel = True
         self.shared_expert = shared_expert
         self.dispatch = spec.expert_dispatch or local_dispatch
 

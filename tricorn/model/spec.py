@@ -101,6 +101,9 @@ class LayerSpec:
     # that runs token copies through experts spread over the ep group; None runs them locally (moe.py).
     expert_parallel: tuple[int, int] = (0, 1)
     expert_dispatch: Optional[Callable[..., torch.Tensor]] = None
+    # Sums a router statistic (per-expert copy counts) over the `sequence_shards` ranks of one microbatch, so an
+    # MoE layer that sees one sequence shard balances over the whole sequence (moe.py); None: nothing to sum.
+    sequence_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
     def __post_init__(self) -> None:
         if self.norm is None:

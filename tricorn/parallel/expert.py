@@ -128,12 +128,17 @@ def apply_expert_parallel(spec: LayerSpec, ep_group) -> LayerSpec:
 class MoEMonitor:
     """The routers' statistics of this rank's chunks: expert-bias updates and the logged MoE values."""
 
-    def __init__(self, cfg: Config, chunks: Sequence[nn.Module], dp_cp_group, pp_group, device: torch.device):
+    def __init__(
+        self, cfg: Config, chunks: Sequence[nn.Module], dp_cp_group, pp_group, device: torch.device, sp_group=None
+    ):
         m = cfg.model
         self.num_experts = m.num_experts
         self.moe_layers = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
         self.bias_rate = m.moe_router_bias_update_rate if m.moe_router_enable_expert_bias else 0.0
-        self.dp_cp_group, self.pp_group = dp_cp_group, pp_group
+        # Under sequence parallelism each TP rank routes one sequence shard (model/moe.py): `sp_group` (TP) sums
+        # its counts, dropped copies and aux-loss terms into the microbatch's; every TP rank counted the forward.
+        self.dp_cp_group, self.pp_group, self.sp_group = dp_cp_group, pp_group, sp_group
+        self.shards = dist.get_world_size(sp_group) if sp_group is not None else 1
         self.routers: dict[int, Router] = {}
         for chunk in chunks:
             for name, module in chunk.named_modules():
@@ -146,13 +151,17 @@ class MoEMonitor:
     def for_model(cls, cfg: Config, chunks: Sequence[nn.Module], state) -> Optional[MoEMonitor]:
         if cfg.model.num_experts is None:
             return None
-        return cls(cfg, chunks, state.dp_cp_group, state.pp_group, state.device)
+        sp = cfg.parallel.sequence_parallel and state.tp_size > 1
+        return cls(cfg, chunks, state.dp_cp_group, state.pp_group, state.device, state.tp_group if sp else None)
 
     def _read_routers(self) -> torch.Tensor:
         stats = torch.zeros_like(self.pending)
         for row, layer in enumerate(self.moe_layers):
             if layer in self.routers:
                 stats[row] = self.routers[layer].read_stats()
+        if self.sp_group is not None:  # the shards' statistics into the whole microbatch's (one all_reduce per step)
+            dist.all_reduce(stats, group=self.sp_group)
+            stats[:, -1] /= self.shards  # each of the TP ranks counted every forward
         return stats
 
     def after_step(self, skipped: Union[torch.Tensor, bool]) -> None:

@@ -413,6 +413,8 @@ def tensor_parallel_spec(cfg: Config, tp_group: dist.ProcessGroup) -> LayerSpec:
         dropout_seed=cfg.training.seed,
         tp_rank=tp_rank,
         sequence_shard_rank=tp_rank if sp else 0,
+        # MoE routers (model/moe.py) see a sequence shard under SP: their copy counts sum over TP (no gradient).
+        sequence_sum=(lambda t: _all_reduce(t.clone(), tp_group)) if sp else None,
     )
 
 

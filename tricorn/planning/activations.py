@@ -233,17 +233,19 @@ def layer_activation_terms(
         qkv=qkv / tp,
         attention_output=e * sbh * max(copies, 1) / tp,
         attention_core=core / tp,
-        mlp=0.0 if "mlp" in selective else mlp_activation_bytes(model, e, s * b, tp, "mlp_act" in selective),
+        mlp=0.0 if "mlp" in selective else mlp_activation_bytes(model, e, s * b, tp, "mlp_act" in selective, sp_div),
     )
 
 
-def mlp_activation_bytes(model: ModelConfig, e: float, tokens: int, tp: int, act_recomputed: bool = False) -> float:
+def mlp_activation_bytes(
+    model: ModelConfig, e: float, tokens: int, tp: int, act_recomputed: bool = False, sequence_shards: int = 1
+) -> float:
     """The MLP's saved tensors, the mean over the layers (MoE layers and dense ones): dense e*T*f*widths/tp
-    (``_mlp_widths``), MoE ``moe_layer_bytes``."""
+    (``_mlp_widths``), MoE ``moe_layer_bytes`` (under SP over ``sequence_shards`` = TP ranks)."""
     dense = e * tokens * model.ffn_size * _mlp_widths(model.swiglu, act_recomputed) / tp
     if model.num_experts is None:
         return dense
-    moe = moe_layer_bytes(model, e, tokens, tp, act_recomputed)
+    moe = moe_layer_bytes(model, e, tokens, tp, act_recomputed, sequence_shards)
     n_moe = sum(model.is_moe_layer(i) for i in range(model.num_layers))
     return (n_moe * moe + (model.num_layers - n_moe) * dense) / model.num_layers
 
@@ -257,7 +259,9 @@ def moe_copies(model: ModelConfig, tokens: int) -> int:
     return n * min(tokens * k // n, math.ceil(tokens * k / n * model.moe_expert_capacity_factor))
 
 
-def moe_layer_bytes(model: ModelConfig, e: float, tokens: int, tp: int, act_recomputed: bool = False) -> float:
+def moe_layer_bytes(
+    model: ModelConfig, e: float, tokens: int, tp: int, act_recomputed: bool = False, sequence_shards: int = 1
+) -> float:
     """What one MoE MLP (model/moe.py) keeps for backward, T tokens, C copies (``moe_copies``), as the probe
     counts it (tests/test_activation_probe.py):
 
@@ -270,8 +274,10 @@ def moe_layer_bytes(model: ModelConfig, e: float, tokens: int, tp: int, act_reco
         per layer   the aux loss's counts and value (4E + 4), a 16-bit run's fp32 router weight (4Eh)
 
     plus the shared expert as a dense MLP of its width (TP-split). The experts are not TP-split. Expert
-    parallelism adds two int64 indices per row it sends (not counted)."""
+    parallelism adds two int64 indices per row it sends (not counted). Under sequence parallelism the router
+    and experts see only this rank's T / ``sequence_shards`` tokens (the shared expert gathers the sequence)."""
     h, n, k = model.hidden_size, model.num_experts, model.moe_router_topk
+    full, tokens = tokens, tokens // sequence_shards
     copies = moe_copies(model, tokens)
     out = copies * (e * (2 * h + model.moe_ffn_size * _mlp_widths(model.swiglu, False)) + e + 16)
     per_token = 4 * n + 9 * k
@@ -284,7 +290,7 @@ def moe_layer_bytes(model: ModelConfig, e: float, tokens: int, tp: int, act_reco
     if e != 4:  # the router's fp32 input replaces the norm output (counted in linear_inputs) unless w1 keeps that
         per_token += 4 * h - (0 if shared else e * h)
         out += 4 * n * h
-    return out + tokens * per_token + e * tokens * shared * _mlp_widths(model.swiglu, act_recomputed) / tp
+    return out + tokens * per_token + e * full * shared * _mlp_widths(model.swiglu, act_recomputed) / tp
 
 
 def layer_activation_bytes(model: ModelConfig, **kwargs: Any) -> float:
@@ -377,10 +383,10 @@ def moe_backward_workspace(model: ModelConfig, layout: Layout) -> float:
     SwiGLU's sigmoid less the saved output already released (lean.swiglu: e*C*3f; GeLU e*C*2f), or in the up
     projection's backward the stacked weight gradient of the rank's E/EP experts (until the DP hook takes it)
     and the input gradient (e*C*h). 0 for a dense model (its MLP's is T/C x TP times smaller, within the
-    estimate's bound)."""
+    estimate's bound). Under SP the copies are those of the rank's sequence shard."""
     if model.num_experts is None:
         return 0.0
-    tokens = model.seq_length // layout.cp * layout.micro_batch
+    tokens = model.seq_length // layout.cp * layout.micro_batch // (layout.tp if layout.sequence_parallel else 1)
     e, f, h, copies = activation_element_bytes(layout.precision), model.moe_ffn_size, model.hidden_size, moe_copies(model, tokens)
     up = f * (2 if model.swiglu else 1)
     activation = e * copies * f * (3 if model.swiglu else 2)

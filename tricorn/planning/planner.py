@@ -145,8 +145,8 @@ def valid_eps(model: ModelConfig, dp_cp: int) -> list[int]:
 
 
 def sequence_parallel(model: ModelConfig, tp: int) -> bool:
-    """On whenever TP > 1, except for a mixture of experts (not supported with MoE)."""
-    return tp > 1 and model.num_experts is None
+    """On whenever TP > 1 (Megatron's practice; with MoE the experts then take each TP rank's sequence shard)."""
+    return tp > 1
 
 
 def layout_groups(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16") -> Iterator[list[Layout]]:
