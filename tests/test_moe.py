@@ -355,13 +355,22 @@ def test_activation_formula_counts_what_the_moe_layer_saves(kw, dtype):
     assert probe.summary().activation_bytes_per_layer == formula
 
 
-def test_simulate_builds_only_local_experts_and_matches_the_estimate():
-    """tricorn simulate at Mixtral's size (4 of its 32 layers) with EP4 x PP2: each rank builds 2 of the 8 experts
-    of its layers, and the estimator says what the run allocates (test_simulate.py's bound)."""
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "--pipeline-model-parallel-size 2 --expert-model-parallel-size 4",
+        "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 4",
+    ],
+    ids=["ep4-pp2", "tp2-sp-ep4"],
+)
+def test_simulate_builds_only_local_experts_and_matches_the_estimate(layout):
+    """tricorn simulate at Mixtral's size (4 of its 32 layers) with EP4 x PP2, and TP2 x EP4 under SP (the experts
+    take a sequence shard): each rank builds 2 of the 8 experts of its layers, and the estimator says what the
+    run allocates (test_simulate.py's bound)."""
     from tricorn.simulate import KEYS, config_for_simulation, default_ranks, ratio, simulate
 
     flags = "--model-preset mixtral-8x7b --num-layers 4 --bf16 --use-distributed-optimizer --micro-batch-size 1"
-    flags += " --global-batch-size 8 --pipeline-model-parallel-size 2 --expert-model-parallel-size 4"
+    flags += " --global-batch-size 8 " + layout
     cfg = config_for_simulation(flags.split(), 8)
     for r in simulate(cfg, default_ranks(cfg), iters=1):
         for key in KEYS:

@@ -2,10 +2,12 @@
 
 Two single-process references (pretrain_gpt.py: dropless, and with token dropping) and ONE launch of 4 ranks
 (tests/workers/moe_layouts.py) that trains every layout in turn on meshes of its own - EP 2 and 4 alone, EP2
-with TP2, with PP2, with the distributed optimizer (EP 2 and 4) and with full recompute, EP4 with CP2, EP2
-with dropping - and resumes EP2 checkpoints at EP 4 and 1 (DDP and the distributed optimizer) and at EP2.
-Every router statistic (aux loss, capacity, expert-bias update) is per microbatch over the same tokens in
-every layout, so the layouts compare at the same --micro-batch-size (1). Keeping the launches few keeps the
+with TP2, with TP2 and sequence parallelism (DDP and the distributed optimizer), with PP2, with the distributed
+optimizer (EP 2 and 4) and with full recompute, EP4 with CP2, EP2 with dropping (also under SP) - and resumes
+EP2 checkpoints at EP 4 and 1 (DDP and the distributed optimizer) and at EP2. Every router statistic (aux
+loss, capacity, expert-bias update) is per microbatch over the same tokens in every layout (under SP the
+counts are summed over TP; only the capacity is per TP rank), so the layouts compare at the same
+--micro-batch-size (1). Keeping the launches few keeps the
 file fast on a small CI machine.
 """
 
@@ -47,6 +49,7 @@ TP2, PP2, DISTOPT = (
     ["--pipeline-model-parallel-size", "2"],
     ["--use-distributed-optimizer"],
 )
+SP = TP2 + ["--sequence-parallel"]  # each TP rank routes its half of the sequence
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
 EQUIVALENT = {  # layouts of DROPLESS compared with the single-process run
     "ep4": ep(4),
@@ -56,6 +59,9 @@ EQUIVALENT = {  # layouts of DROPLESS compared with the single-process run
     "ep2-distopt": ep(2) + DISTOPT,
     "ep4-distopt": ep(4) + DISTOPT,
     "ep2-recompute": ep(2) + RECOMPUTE,
+    # TP2 x DP2, EP2 over DP: aux loss, expert bias and shared expert over the sequence halves (README "MoE").
+    "ep2-tp2-sp": ep(2) + SP,
+    "ep2-tp2-sp-distopt": ep(2) + SP + DISTOPT,
 }
 RESUMES = {  # name: (saving run, extra flags of the resumed run)
     "ep2-to-ep2": ("ep2", ep(2)),
@@ -81,6 +87,7 @@ def results(tmp_path_factory) -> dict:
         {"name": "reads-ep2-pp2", "flags": with_flag(DROPLESS, "--log-interval", "4") + ep(2) + PP2, "count_host_reads": True}
     )
     runs.append({"name": "dropping-ep2", "flags": DROPPING + ep(2), "record_router_calls": True})
+    runs.append({"name": "dropping-ep2-tp2-sp", "flags": DROPPING + ep(2) + SP, "record_router_calls": True})
     runs += [
         {"name": "plain-dp4", "flags": PLAIN},
         {"name": "plain-cp2-ep4", "flags": PLAIN + ["--context-parallel-size", "2"] + ep(4)},
@@ -135,6 +142,21 @@ def test_dropped_copies_follow_the_capacity_rule(results):
     for routed, dropped, tokens in calls:
         assert tokens == TOKENS and dropped == sum(max(0, n - capacity) for n in routed)
     assert sum(dropped for _, dropped, _ in calls) > 0  # the case really drops
+
+
+def test_dropping_under_sequence_parallel_uses_each_ranks_capacity(results):
+    """Under SP each TP rank drops by the capacity of its own tokens (Megatron's per-rank rule, README "MoE"):
+    ceil(T/TP x k / E x f); the logged counts still cover the whole sequence."""
+    run = results["runs"]["dropping-ep2-tp2-sp"]
+    capacity = math.ceil(TOKENS // 2 * 2 / 4 * CAPACITY)
+    calls = run["router_calls"]
+    assert len(calls) == 4 * 2 * 2  # 4 iterations x 2 MoE layers x 2 microbatches on this rank (DP2)
+    for routed, dropped, tokens in calls:
+        assert tokens == TOKENS // 2 and dropped == sum(max(0, n - capacity) for n in routed)
+    assert sum(dropped for _, dropped, _ in calls) > 0  # the case really drops
+    for values in run["moe"]:  # per iteration: 4 samples x 64 tokens routed to 2 experts, dropped ones included
+        assert sum(values[f"moe/layer-0/tokens-expert-{e}"] for e in range(4)) == 4 * TOKENS * 2
+        assert values["moe/dropped-tokens"] > 0
 
 
 @pytest.mark.parametrize("name", list(RESUMES))

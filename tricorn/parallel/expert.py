@@ -128,9 +128,7 @@ def apply_expert_parallel(spec: LayerSpec, ep_group) -> LayerSpec:
 class MoEMonitor:
     """The routers' statistics of this rank's chunks: expert-bias updates and the logged MoE values."""
 
-    def __init__(
-        self, cfg: Config, chunks: Sequence[nn.Module], dp_cp_group, pp_group, device: torch.device, sp_group=None
-    ):
+    def __init__(self, cfg: Config, chunks: Sequence[nn.Module], dp_cp_group, pp_group, device: torch.device, sp_group=None):
         m = cfg.model
         self.num_experts = m.num_experts
         self.moe_layers = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
