@@ -2,8 +2,9 @@
 
 After the last backward of an iteration (Megatron's finalize_model_grads):
 - parameters replicated over TP that saw only a sequence shard (`sequence_parallel`
-  attribute: norm weights, row biases under SP) get their gradients all-reduced
-  over the TP group;
+  attribute: norm weights, row biases, and the MoE routers and routed experts under SP)
+  get their gradients all-reduced over the TP group (small ones through flat copies of
+  at most COALESCE_BYTES, large ones in place: no transient beyond that);
 - with tied embeddings and PP > 1, the first stage's embedding and the last
   stage's head copy all-reduce their gradients over the embedding group, so
   both copies take the same step and stay identical.
@@ -57,9 +58,30 @@ def counts_for_norm(p: torch.Tensor, state: ParallelState) -> bool:
     return tp_sharded or state.tp_rank == 0
 
 
+# Small gradients are reduced through one flat copy of at most this many bytes; a larger contiguous one in place.
+# Bounds the transient: under SP the MoE experts' gradients are summed over TP too, and one copy of all of
+# them would add a whole stage's expert gradients to the peak.
+COALESCE_BYTES = 32 * 2**20
+
+
 def _all_reduce_coalesced(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     if not grads or dist.get_world_size(group) == 1:
         return
+    batch: list[torch.Tensor] = []
+    for g in grads:
+        if g.is_contiguous() and g.numel() * g.element_size() > COALESCE_BYTES:
+            dist.all_reduce(g, group=group)
+            continue
+        if batch and (sum(b.numel() for b in batch) + g.numel()) * g.element_size() > COALESCE_BYTES:
+            _all_reduce_flat(batch, group)
+            batch = []
+        batch.append(g)
+    if batch:
+        _all_reduce_flat(batch, group)
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """One all-reduce of the gradients' concatenation (one dtype), copied back."""
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     offset = 0
