@@ -296,10 +296,14 @@ def test_planner_searches_expert_parallelism_with_valid_flags():
 
     mixtral = ModelConfig(**PRESETS["mixtral-8x7b"])
     gpu = get_gpu("h100-80gb")
-    result = planner.plan(mixtral, Cluster(64, 8, gpu, gpu.peak_tflops("bf16"), 0.10), 256, top_k=20)
+    cluster = Cluster(64, 8, gpu, gpu.peak_tflops("bf16"), 0.10)
+    result = planner.plan(mixtral, cluster, 256, top_k=20)
     assert result.plans and any(p.layout.ep > 1 for p in result.plans)
-    for p in result.plans:  # no sequence parallelism, no ZeRO-2/3 with EP: every layout is one the trainer runs
-        flags = sbatch.model_args("mixtral-8x7b", mixtral) + sbatch.layout_args(p.layout, 256) + ["--mock-data", "--bf16"]
+    # The best plans here are TP1; the searched TP2 x EP layouts run with SP, as dense models do.
+    tp2 = next(lay for group in planner.layout_groups(mixtral, cluster, 256) for lay in group if lay.tp == 2 and lay.ep > 1)
+    assert tp2.sequence_parallel
+    for lay in [p.layout for p in result.plans] + [tp2]:  # no ZeRO-2/3 with EP: every layout is one the trainer runs
+        flags = sbatch.model_args("mixtral-8x7b", mixtral) + sbatch.layout_args(lay, 256) + ["--mock-data", "--bf16"]
         assert validate(config_from_args(flags, world_size=64)) == [], flags
 
 
