@@ -285,6 +285,9 @@ def test_planning_counts_expert_parallel_params_and_all_to_all_volume():
     row = 4 * 4096 * 2 + 2 * 4 * 1
     assert ep_all_to_all_bytes(mixtral, Layout(ep=8, dp=8, precision="bf16"), 4096) == pytest.approx(4096 * 7 / 4 * row)
     assert ep_all_to_all_bytes(mixtral, Layout(ep=1), 4096) == 0.0
+    # Under SP each TP rank dispatches only its half of the sequence.
+    sp = Layout(tp=2, ep=8, dp=8, precision="bf16", sequence_parallel=True)
+    assert ep_all_to_all_bytes(mixtral, sp, 4096) == pytest.approx(4096 / 2 * 7 / 4 * row)
 
 
 def test_planner_searches_expert_parallelism_with_valid_flags():

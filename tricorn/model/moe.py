@@ -14,7 +14,10 @@ Routers (Megatron's --moe-router-score-function):
 
 Load balancing (--moe-aux-loss-coeff c, Switch/Megatron "aux_loss"): per microbatch and layer
     aux = c * E / (T^2 k) * sum_e (tokens routed to e) * (sum over tokens of the score of e),
-computed over the T tokens of the microbatch this forward sees. It is not added to the returned
+computed over the T tokens of the microbatch. Under sequence parallelism (spec.sequence_shards TP ranks each
+route a sequence shard) the counts are summed over the shards (spec.sequence_sum: the microbatch's) and each
+rank's loss is its shard's term of the sum (the scores summed over its own tokens; T the whole microbatch's),
+so the terms and their gradients add up to the single-process ones. It is not added to the returned
 value: `AuxLossScaler` attaches it to the layer's output so that backward adds its gradient, scaled
 by the weight the training step sets with `set_aux_loss_scale` (the microbatch's share of the batch
 times the loss scale), exactly like Megatron's MoEAuxLossAutoScaler.
@@ -23,7 +26,7 @@ Capacity (--moe-expert-capacity-factor f; dropless when unset): each expert take
     capacity = ceil(T * k / E * f)
 token copies of the microbatch; with --moe-token-drop-policy probs it keeps its `capacity` copies of
 highest routing probability (ties: earlier token first), with position the first `capacity` copies in
-token order. A dropped copy contributes nothing (its probability is not redistributed), so a token
+token order (under SP: per rank, T its shard's tokens - Megatron's rule). A dropped copy contributes nothing (its probability is not redistributed), so a token
 whose k copies are all dropped passes through on the residual only.
 
 Experts hold their weights stacked, w1 [E, ffn (x2 for SwiGLU, gate/up interleaved), h] and
@@ -38,7 +41,9 @@ Host reads: the loop of GEMMs and a capacity that drops copies need the per-expe
 through the grouped matmul reads nothing. Under `balanced_routing` (tricorn simulate, whose FakeTensors hold
 no values) every count reads as the balanced share, T*k/E copies per expert (at most the capacity).
 
-No collectives; `dispatch` is a hook a parallel implementation replaces (expert parallelism).
+No collectives; `dispatch` is a hook a parallel implementation replaces (expert parallelism), and
+`sequence_sum` another (the TP all-reduce under SP; routers and experts then carry `sequence_parallel`, so the
+trainer sums their gradients over TP like the norm weights').
 Memory: the sorted token copies and their FFN intermediates, T*k rows instead of T.
 """
 

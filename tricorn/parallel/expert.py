@@ -22,7 +22,11 @@ copies and the experts' intermediates (on average as many copies as the rank's o
 experts' gradients sum over the expert-DP group only (data_parallel.py, grads.py); checkpoints hold
 each expert under its own global name (training/checkpoint_pieces.py), so they reshard to any EP.
 
-Router statistics: `MoEMonitor` turns the routers' device-side counters into global numbers. With
+Sequence parallelism: each TP rank dispatches its own sequence shard over its ep group (the groups of
+different TP ranks hold the same experts); nothing here is gathered over TP.
+
+Router statistics: `MoEMonitor` turns the routers' device-side counters into global numbers (under SP
+first summed over TP after each step, one all_reduce of the same tensor: each TP rank counted its shard). With
 the expert bias, after every optimizer step one all_reduce (sum) over DP x CP of a [MoE layers, E + 3]
 tensor gives the counts of the whole global batch, and DeepSeek-V3's bias moves by them on every rank
 alike (on the device: a skipped step moves nothing, and nothing is read on the host). At a log line

@@ -104,12 +104,15 @@ class _Layer:
     parts: dict = field(default_factory=dict)
 
 
-def mlp_width_per_rank(model: ModelConfig, tp: int) -> float:
-    """The MLP inner width one token meets on one TP rank, averaged over the layers (MoE: active experts)."""
+def mlp_width_per_rank(model: ModelConfig, tp: int, sequence_parallel: bool = False) -> float:
+    """The MLP inner width one token meets on one TP rank, averaged over the layers (MoE: active experts, which
+    under SP see only the rank's 1/TP of the tokens: as if TP-split)."""
     widths = []
+    routed_div = tp if sequence_parallel else 1
     for i in range(model.num_layers):
         if model.is_moe_layer(i):
-            widths.append(model.moe_router_topk * model.moe_ffn_size + (model.moe_shared_expert_intermediate_size or 0) / tp)
+            routed = model.moe_router_topk * model.moe_ffn_size / routed_div
+            widths.append(routed + (model.moe_shared_expert_intermediate_size or 0) / tp)
         else:
             widths.append(model.ffn_size / tp)
     return sum(widths) / len(widths)
@@ -126,9 +129,11 @@ def ep_all_to_all_bytes(model: ModelConfig, lay: Layout, tokens: float) -> float
     """Bytes one rank sends in a layer's MoE all_to_alls per microbatch (mean over layers): each token's hidden
     state once per other rank holding one of its experts (``ep_rows_per_token``), dispatched and combined in
     forward and again in backward (4 transfers; 6 with full recompute), and with each row its routing weights
-    for that rank's E/EP experts (fp32) and their gradients (2 transfers; 3)."""
+    for that rank's E/EP experts (fp32) and their gradients (2 transfers; 3). Under SP a rank dispatches only its
+    sequence shard (1/TP of the tokens)."""
     if model.num_experts is None or lay.ep == 1:
         return 0.0
+    tokens = tokens / (lay.tp if lay.sequence_parallel else 1)
     moe_fraction = sum(model.is_moe_layer(i) for i in range(model.num_layers)) / model.num_layers
     full = lay.recompute == "full"
     row = (6 if full else 4) * model.hidden_size * activation_element_bytes(lay.precision)
@@ -153,7 +158,7 @@ def _layer(model: ModelConfig, lay: Layout, cluster: Cluster, features: RunFeatu
     q = model.num_attention_heads * model.head_dim
     e = activation_element_bytes(lay.precision)
     tokens = lay.micro_batch * model.seq_length / cp  # per rank per microbatch
-    f = mlp_width_per_rank(model, tp)  # MoE: the active width (k experts, not TP-split, + shared expert)
+    f = mlp_width_per_rank(model, tp, lay.sequence_parallel)  # MoE: the active width (k experts + shared expert)
     up = f * (2 if model.swiglu else 1)
     qkv = _gemm_time(2 * tokens * h * (q + 2 * gd) / tp, min(tokens, (q + 2 * gd) / tp, h), peak, eff.gemm)
     proj = _gemm_time(2 * tokens * q * h / tp, min(tokens, h, q / tp), peak, eff.gemm)
