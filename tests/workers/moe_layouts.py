@@ -2,7 +2,8 @@
 
 argv[1] is a JSON spec written by tests/test_moe_parallel.py: {"runs": [run, ...], "out": path}. Each run is
 {"name", "flags"} plus optional "save" (a directory: save after iteration "save_at"), "load" (a
-directory and "ckpt_step": resume from it), "record_router_calls" and "count_host_reads". For every run this worker builds the real
+directory and "ckpt_step": resume from it), "record_router_calls", "count_host_reads" and "coalesce_bytes" (grads.py's
+COALESCE_BYTES for this run: small, so the TP gradient reduction also takes its in-place path). For every run this worker builds the real
 trainer (build_trainer) on a mesh of that layout, trains, and records per iteration the loss, the grad norm
 and the logged MoE values (MoEMonitor, as TensorBoard gets them); with record_router_calls, per router call the
 copies routed to each expert, the dropped copies and the tokens; with count_host_reads the host reads of each
@@ -24,11 +25,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from tricorn.host_reads import HostReadCounter  # noqa: E402
 from tricorn.model.moe import Router  # noqa: E402
+from tricorn.parallel import grads  # noqa: E402
 from tricorn.parallel.state import init_parallel  # noqa: E402
 from tricorn.training.checkpoint import Checkpointer  # noqa: E402
 from tricorn.training.logging import MetricsLogger  # noqa: E402
 from tricorn.training.main import build_trainer, resolve_config  # noqa: E402
 from tricorn.training.measurements import cpu_peak_bytes  # noqa: E402
+
+COALESCE_BYTES = grads.COALESCE_BYTES
 
 
 def record_router_calls(chunks, calls: list) -> None:
@@ -53,6 +57,7 @@ def train(run: dict) -> dict:
         flags += ["--save", run["save"]]
     if "load" in run:
         flags += ["--load", run["load"], "--ckpt-step", str(run["ckpt_step"])]
+    grads.COALESCE_BYTES = run.get("coalesce_bytes", COALESCE_BYTES)
     cfg = resolve_config(flags)
     state = init_parallel(cfg)
     logger = MetricsLogger(cfg, rank=1)  # silent; its records are caught below
