@@ -13,7 +13,8 @@ The global norm counts every parameter exactly once: TP shards on every TP rank,
 TP-replicated parameters on TP rank 0 only, a tied head copy not at all (its
 twin on the first stage counts), DP/CP replicas once (their gradients are equal
 after the DP reduction; sharded optimizers pass their own DP-sharded squares).
-MoE experts are split over EP and replicated over TP: counted on TP rank 0, their
+MoE experts are split over EP and replicated over TP: counted on TP rank 0 (under SP
+after their TP sum above, so every TP rank holds the same gradient), their
 squares summed over the ep group (under a sharded optimizer the DP x CP sum
 already covers every expert once).
 One all-reduce of a scalar over TP x PP (plus DP when grads are DP-sharded, or EP). The norm stays a
