@@ -50,6 +50,7 @@ TP2, PP2, DISTOPT = (
     ["--use-distributed-optimizer"],
 )
 SP = TP2 + ["--sequence-parallel"]  # each TP rank routes its half of the sequence
+ETP2 = ["--expert-tensor-parallel-size", "2"]  # each expert's w1 column- and w2 row-split over TP
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
 EQUIVALENT = {  # layouts of DROPLESS compared with the single-process run
     "ep4": ep(4),
@@ -62,6 +63,10 @@ EQUIVALENT = {  # layouts of DROPLESS compared with the single-process run
     # TP2 x DP2, EP2 over DP: aux loss, expert bias and shared expert over the sequence halves (README "MoE").
     "ep2-tp2-sp": ep(2) + SP,
     "ep2-tp2-sp-distopt": ep(2) + SP + DISTOPT,
+    # Expert tensor parallelism: TP2 x DP2, EP2 over DP, each expert split over TP (README "MoE").
+    "ep2-etp2": ep(2) + TP2 + ETP2,
+    "ep2-etp2-sp": ep(2) + SP + ETP2,
+    "ep2-etp2-sp-distopt": ep(2) + SP + ETP2 + DISTOPT,
 }
 RESUMES = {  # name: (saving run, extra flags of the resumed run)
     "ep2-to-ep2": ("ep2", ep(2)),
@@ -69,6 +74,7 @@ RESUMES = {  # name: (saving run, extra flags of the resumed run)
     "ep2-to-ep1": ("ep2", []),
     "ep2-distopt-to-ep4": ("ep2-distopt", ep(4) + DISTOPT),
     "ep2-distopt-to-ep1": ("ep2-distopt", DISTOPT),
+    "ep2-etp2-sp-distopt-to-ep1": ("ep2-etp2-sp-distopt", DISTOPT),  # TP-sliced experts back to whole ones
 }
 
 
@@ -82,7 +88,7 @@ def results(tmp_path_factory) -> dict:
     runs = [{"name": name, "flags": DROPLESS + extra} for name, extra in EQUIVALENT.items()]
     # 16 KiB: the experts' gradients (and owned views) are all-reduced over TP in place, the norms' coalesced.
     next(r for r in runs if r["name"] == "ep2-tp2-sp-distopt")["coalesce_bytes"] = 16 * 2**10
-    for name in ("ep2", "ep2-distopt"):  # these two also save after iteration 2
+    for name in ("ep2", "ep2-distopt", "ep2-etp2-sp-distopt"):  # these also save after iteration 2
         next(r for r in runs if r["name"] == name).update(save=str(tmp / name), save_at=2)
     # Host reads are counted in iterations without a log line (a log line reads the interval's values).
     runs.append(

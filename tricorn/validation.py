@@ -113,9 +113,19 @@ def validate_moe(cfg: Config) -> list[str]:
     moe_flags = m.moe_expert_capacity_factor or m.moe_aux_loss_coeff or m.moe_shared_expert_intermediate_size
     ep = p.expert_model_parallel_size
     if m.num_experts is None:
+        if p.expert_tensor_parallel_size > 1:
+            return ["--expert-tensor-parallel-size needs --num-experts (it splits the routed experts)"]
         needs = moe_flags or m.moe_router_enable_expert_bias or ep > 1
         return ["--moe-* flags and --expert-model-parallel-size need --num-experts"] if needs else []
     errs = []
+    etp, tp = p.expert_tensor_parallel_size, p.tensor_model_parallel_size
+    if etp not in (1, tp):
+        errs.append(
+            f"--expert-tensor-parallel-size {etp} is not supported: use 1 (experts replicated over TP) or "
+            f"--tensor-model-parallel-size {tp} (experts split over TP)"
+        )
+    elif etp > 1 and m.moe_ffn_size % etp:
+        errs.append(f"--moe-ffn-hidden-size {m.moe_ffn_size} is not divisible by --expert-tensor-parallel-size {etp}")
     if m.num_experts % ep != 0:
         errs.append(f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}")
     dp_cp = cfg.data_parallel_size * p.context_parallel_size

@@ -56,13 +56,33 @@ class ShardInfo:
 SHARD_ATTR = "tricorn_shard"
 INIT_KEY_ATTR = "tricorn_init_key"  # a parameter that must equal another one (tied head copy)
 BUILD_NAME_ATTR = "tricorn_build_name"  # a hollow parameter's name in its model (wrappers may rename it later)
-# A routed expert's stacked weights [E, ...]: split over the ep group (a ShardInfo on dim 0), replicated over TP,
-# reduced over expert-DP. Each expert e has a global name of its own (`expert_name`) for init and checkpoints.
+# A routed expert's stacked weights [E, ...]: split over the ep group (a ShardInfo on dim 0), reduced over
+# expert-DP. Each expert e has a global name of its own (`expert_name`) for init and checkpoints. Replicated over
+# TP, or with expert tensor parallelism each expert's matrix is TP-sliced like a dense weight: EXPERT_TP_ATTR holds
+# that ShardInfo, its `dim` counted in one expert's matrix (w1's rows, w2's columns).
 EXPERT_ATTR = "tricorn_expert"
+EXPERT_TP_ATTR = "tricorn_expert_tp"
 
 
 def is_expert(p: torch.Tensor) -> bool:
     return getattr(p, EXPERT_ATTR, False)
+
+
+def expert_tp_info(p: torch.Tensor) -> Optional[ShardInfo]:
+    """How one expert's matrix of the stacked expert weight p is split over TP (None: replicated)."""
+    return getattr(p, EXPERT_TP_ATTR, None)
+
+
+def expert_matrix_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The global shape of one expert's matrix of the stacked expert weight p (undoing an expert-TP split)."""
+    tp, shape = expert_tp_info(p), tuple(p.shape[1:])
+    return shape if tp is None else tuple(tp.full_size if d == tp.dim else n for d, n in enumerate(shape))
+
+
+def is_tp_split(p: torch.Tensor) -> bool:
+    """Whether each TP rank holds a different slice of p (a TP shard), not a replica."""
+    info = expert_tp_info(p) if is_expert(p) else shard_info(p)
+    return info is not None and info.world > 1
 
 
 def expert_name(name: str, expert: int) -> str:
@@ -122,15 +142,20 @@ class InitSpec:
         if is_expert(p):  # each local expert from its own global name: no rank draws the other ranks' experts
             local = torch.empty(tuple(p.shape), device=device)
             for j in range(p.shape[0]):
-                local[j] = full_value(expert_name(key, info.real_range()[0] + j), tuple(p.shape[1:]), p_std, self.seed, device)
+                full = full_value(expert_name(key, info.real_range()[0] + j), expert_matrix_shape(p), p_std, self.seed, device)
+                local[j] = _slice(full, expert_tp_info(p), tuple(p.shape[1:]))
             return local
-        full = full_value(key, global_shape(p), p_std, self.seed, device)
-        if info is None:
-            return full
-        start, count = info.real_range()
-        local = torch.zeros(tuple(p.shape), device=device)
-        local.narrow(info.dim, 0, count).copy_(full.narrow(info.dim, start, count))
-        return local
+        return _slice(full_value(key, global_shape(p), p_std, self.seed, device), info, tuple(p.shape))
+
+
+def _slice(full: torch.Tensor, info: Optional[ShardInfo], shape: tuple[int, ...]) -> torch.Tensor:
+    """This rank's piece (`shape`, padding rows zero) of the global value `full` cut as `info` says."""
+    if info is None:
+        return full
+    start, count = info.real_range()
+    local = torch.zeros(shape, device=full.device)
+    local.narrow(info.dim, 0, count).copy_(full.narrow(info.dim, start, count))
+    return local
 
 
 @torch.no_grad()

@@ -49,6 +49,7 @@ Memory: the sorted token copies and their FFN intermediates, T*k rows instead of
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -60,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tricorn.config import ModelConfig
-from tricorn.model.init import EXPERT_ATTR, SHARD_ATTR, ShardInfo
+from tricorn.model.init import EXPERT_ATTR, EXPERT_TP_ATTR, SHARD_ATTR, ShardInfo
 from tricorn.model.lean import swiglu
 from tricorn.model.spec import LayerSpec
 
@@ -281,10 +282,10 @@ def expert_gemm(x: torch.Tensor, weight: torch.Tensor, counts: Optional[list[int
 class Experts(nn.Module):
     """E FFNs with stacked weights (no biases: --num-experts needs --disable-bias-linear): [rows by expert, h] -> same."""
 
-    def __init__(self, cfg: ModelConfig, num_local_experts: int):
+    def __init__(self, cfg: ModelConfig, num_local_experts: int, tp: int = 1):
         super().__init__()
         self.swiglu = cfg.swiglu
-        ffn = cfg.moe_ffn_size
+        ffn = cfg.moe_ffn_size // tp  # expert tensor parallelism: this rank's w1 rows (whole gate/up pairs), w2 columns
         self.w1 = nn.Parameter(torch.empty(num_local_experts, ffn * (2 if cfg.swiglu else 1), cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_local_experts, cfg.hidden_size, ffn))
 
@@ -341,22 +342,42 @@ class MoEMLP(nn.Module):
         self.num_experts = cfg.num_experts
         self.router = Router(cfg, spec.sequence_shards, spec.sequence_sum)
         ep_rank, ep = spec.expert_parallel
-        self.experts = Experts(cfg, cfg.num_experts // ep)
-        for w in (self.experts.w1, self.experts.w2):
+        etp_rank, etp = spec.expert_tensor_parallel
+        self.experts = Experts(cfg, cfg.num_experts // ep, etp)
+        for dim, w in enumerate((self.experts.w1, self.experts.w2)):  # w1 column-, w2 row-split under expert TP
             setattr(w, SHARD_ATTR, ShardInfo(dim=0, rank=ep_rank, world=ep, full_size=cfg.num_experts))
             setattr(w, EXPERT_ATTR, True)
+            if etp > 1:
+                setattr(w, EXPERT_TP_ATTR, ShardInfo(dim=dim, rank=etp_rank, world=etp, full_size=w.shape[1 + dim] * etp))
         if spec.sequence_shards > 1:  # replicated over TP, fed a sequence shard: grads.py sums their grads over TP
-            for p in (self.router.weight, self.experts.w1, self.experts.w2):
-                p.sequence_parallel = True
+            for p in (self.router.weight,) if etp > 1 else (self.router.weight, self.experts.w1, self.experts.w2):
+                p.sequence_parallel = True  # (expert-TP experts are TP shards that saw every token: no sum)
         self.shared_expert = shared_expert
         self.dispatch = spec.expert_dispatch or local_dispatch
+        self.tp_enter, self.tp_exit = spec.expert_tp_enter, spec.expert_tp_exit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.flatten(0, -2)
         routing = self.router(tokens)
-        out = self.dispatch(tokens, routing, self.experts).view_as(x)
+        if self.tp_enter is None or self.tp_exit is None:
+            out = self.dispatch(tokens, routing, self.experts).view_as(x)
+        else:  # expert TP: every TP rank runs the same tokens through its slice of the experts; partial sums reduced
+            every = self.tp_enter(x)
+            out = self.dispatch(every.flatten(0, -2), self._tp_routing(routing, x), self.experts)
+            out = self.tp_exit(out.view_as(every))
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         if self.router.aux_coeff and torch.is_grad_enabled():
             out = AuxLossScaler.apply(out, routing.aux_loss)
         return out
+
+    def _tp_routing(self, routing: Routing, x: torch.Tensor) -> Routing:
+        """The routing of the tokens `tp_enter` gives every TP rank (under SP each rank routed its own shard: the
+        shards' weights and choices are gathered like the hidden states; the weights' gradients sum back over TP)."""
+        lead, k = x.shape[:-1], routing.experts.shape[1]
+        probs = self.tp_enter(routing.probs.view(*lead, k)).flatten(0, -2)
+        choice = self.tp_enter(torch.cat([routing.experts, routing.kept.long()], -1).view(*lead, 2 * k)).flatten(0, -2)
+        shards = probs.shape[0] // routing.probs.shape[0]
+        return dataclasses.replace(
+            routing, probs=probs, experts=choice[:, :k], kept=choice[:, k:].bool(), balanced=routing.balanced * shards
+        )

@@ -104,6 +104,13 @@ class LayerSpec:
     # Sums a router statistic (per-expert copy counts) over the `sequence_shards` ranks of one microbatch, so an
     # MoE layer that sees one sequence shard balances over the whole sequence (moe.py); None: nothing to sum.
     sequence_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    # Expert tensor parallelism (tricorn/parallel/expert.py): this rank's (TP rank, ETP size) of each routed
+    # expert's w1 rows / w2 columns, and the two TP collectives around the experts: `expert_tp_enter` makes a
+    # tensor shaped like the hidden states the same on every TP rank (under SP gathers the sequence), and
+    # `expert_tp_exit` sums the experts' partial outputs over TP (under SP back to the sequence shard).
+    expert_tensor_parallel: tuple[int, int] = (0, 1)
+    expert_tp_enter: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    expert_tp_exit: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
     def __post_init__(self) -> None:
         if self.norm is None:

@@ -25,6 +25,20 @@ each expert under its own global name (training/checkpoint_pieces.py), so they r
 Sequence parallelism: each TP rank dispatches its own sequence shard over its ep group (the groups of
 different TP ranks hold the same experts); nothing here is gathered over TP.
 
+Expert tensor parallelism (--expert-tensor-parallel-size ETP, 1 or TP; Megatron's default is TP, tricorn's 1).
+With ETP = TP each routed expert's w1 (gate|up) is column-split and w2 row-split over the TP group, as the dense
+MLP, and Megatron's token flow applies: every TP rank of a group runs the same tokens through its slices. The
+router runs as without ETP (under SP on each rank's sequence shard); `apply_expert_tensor_parallel` gives the
+layer two hooks around the dispatch: without SP the tokens are already the same on every TP rank (the hook marks
+the fan-out: backward all-reduces the tokens' and the routing weights' gradients over TP) and the experts' partial
+outputs are all-reduced over TP; under SP the shards' tokens and routing are all-gathered over TP (backward
+reduce-scatter) and the partial outputs reduce-scattered back to the shards. The ep dispatch runs unchanged over
+the ep group of ranks with the same TP rank, which hold the same slices. Expert gradients are TP shards (not
+summed over TP), reduced over expert-DP = DP x CP / EP as before (Megatron: world / (PP x EP x ETP)). Cost:
+per MoE layer and microbatch two more TP collectives of the hidden states (all-reduce, or all-gather plus
+reduce-scatter), each rank's all_to_alls move the TP group's tokens (TP times the ETP=1 volume under SP) and
+its experts see them; expert weights, gradients and optimizer state / TP.
+
 Router statistics: `MoEMonitor` turns the routers' device-side counters into global numbers (under SP
 first summed over TP after each step, one all_reduce of the same tensor: each TP rank counted its shard). With
 the expert bias, after every optimizer step one all_reduce (sum) over DP x CP of a [MoE layers, E + 3]
@@ -48,6 +62,7 @@ from torch import nn
 from tricorn.config import Config
 from tricorn.model.moe import Experts, Router, Routing, bincount, read_counts, sum_rows, update_expert_bias
 from tricorn.model.spec import LayerSpec
+from tricorn.parallel.tensor import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence
 
 
 class _AllToAll(torch.autograd.Function):
@@ -119,6 +134,24 @@ def ep_dispatch(group, ep_rank: int, ep: int):
         return sum_rows(x, token, _AllToAll.apply(y, send_rows, recv_rows, group))
 
     return dispatch
+
+
+def apply_expert_tensor_parallel(spec: LayerSpec, cfg: Config, tp_group) -> LayerSpec:
+    """With --expert-tensor-parallel-size TP: the spec that splits each routed expert over `tp_group` (see the
+    module docstring); unchanged at ETP 1 (validation allows only 1 and TP)."""
+    tp = dist.get_world_size(tp_group)
+    if cfg.parallel.expert_tensor_parallel_size == 1 or tp == 1:
+        return spec
+    if spec.sequence_shards > 1:  # SP: the sequence shards in, the summed outputs back to the shards
+        enter, leave = gather_from_sequence, reduce_scatter_to_sequence
+    else:  # the same tokens on every TP rank already: mark the fan-out (backward all-reduce), sum the outputs
+        enter, leave = copy_to_tp, reduce_from_tp
+    return dataclasses.replace(
+        spec,
+        expert_tensor_parallel=(dist.get_rank(tp_group), tp),
+        expert_tp_enter=lambda t: enter(t, tp_group),
+        expert_tp_exit=lambda t: leave(t, tp_group),
+    )
 
 
 def apply_expert_parallel(spec: LayerSpec, ep_group) -> LayerSpec:

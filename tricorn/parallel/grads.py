@@ -14,8 +14,9 @@ TP-replicated parameters on TP rank 0 only, a tied head copy not at all (its
 twin on the first stage counts), DP/CP replicas once (their gradients are equal
 after the DP reduction; sharded optimizers pass their own DP-sharded squares).
 MoE experts are split over EP and replicated over TP: counted on TP rank 0 (under SP
-after their TP sum above, so every TP rank holds the same gradient), their
-squares summed over the ep group (under a sharded optimizer the DP x CP sum
+after their TP sum above, so every TP rank holds the same gradient); with expert tensor
+parallelism they are TP shards, counted on every TP rank. Their
+squares are summed over the ep group (under a sharded optimizer the DP x CP sum
 already covers every expert once).
 One all-reduce of a scalar over TP x PP (plus DP when grads are DP-sharded, or EP). The norm stays a
 device tensor and clipping is branch-free, so neither reads a value on the host.
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tricorn.model.init import INIT_KEY_ATTR, is_expert, shard_info
+from tricorn.model.init import INIT_KEY_ATTR, is_expert, is_tp_split
 from tricorn.parallel.state import ParallelState
 
 
@@ -54,9 +55,7 @@ def is_tied_embedding(name: str) -> bool:
 def counts_for_norm(p: torch.Tensor, state: ParallelState) -> bool:
     if is_tied_copy(p):
         return False
-    info = shard_info(p)
-    tp_sharded = info is not None and info.world > 1 and not is_expert(p)  # experts: split over ep, replicated over TP
-    return tp_sharded or state.tp_rank == 0
+    return is_tp_split(p) or state.tp_rank == 0  # experts: TP shards under expert tensor parallelism, else replicas
 
 
 # Small gradients are reduced through one flat copy of at most this many bytes; a larger contiguous one in place.

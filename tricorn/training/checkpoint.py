@@ -65,7 +65,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tricorn.config import Config, dump_yaml
-from tricorn.model.init import INIT_KEY_ATTR, is_expert, shard_info
+from tricorn.model.init import INIT_KEY_ATTR, is_expert, is_tp_split, shard_info
 from tricorn.parallel.state import ParallelState
 from tricorn.training import checkpoint_io as io
 from tricorn.training.checkpoint_io import CheckpointError
@@ -124,6 +124,7 @@ class Checkpointer:
             "cp": s.cp_size,
             "dp": s.dp_size,
             "ep": p.expert_model_parallel_size,
+            "etp": p.expert_tensor_parallel_size,
             "world": s.world_size,
             "distributed_optimizer": p.use_distributed_optimizer,
             "zero_stage": p.zero_stage,
@@ -158,12 +159,11 @@ class Checkpointer:
 
     def _writes(self, p: nn.Parameter, sharded: bool) -> bool:
         """Whether this rank writes its owned range of `p`: never the tied twin (the embedding's is saved); a
-        TP-replicated tensor (MoE experts too) on TP rank 0 only; with unsharded state (DDP, or a frozen
+        TP-replicated tensor (MoE experts without expert TP too) on TP rank 0 only; with unsharded state (DDP, or a frozen
         parameter) on rank 0 of the ranks holding the same copy (expert-DP for experts, else DP x CP)."""
         if _is_copy(p):
             return False
-        info = shard_info(p)
-        if (info is None or info.world == 1 or is_expert(p)) and self.state.tp_rank != 0:
+        if not is_tp_split(p) and self.state.tp_rank != 0:
             return False
         return sharded or dist.get_rank(self.state.replica_group(is_expert(p))) == 0
 

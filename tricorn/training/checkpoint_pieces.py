@@ -12,8 +12,8 @@ saved chunks overlap the requested ones, so any layout loads any other (TP, PP, 
 
 A mixture of experts' stacked weight [E/EP, rows, cols] (the rank's experts of E, model/moe.py) is saved as
 one 2-D tensor per expert under the expert's global name (``expert_name``: ...experts.<e>.w1): ``owned_parts``
-cuts the owned range at expert boundaries, and each part is pieces of its expert's matrix - so a checkpoint
-does not depend on the expert-parallel split, and an expert loads on whichever rank holds it.
+cuts the owned range at expert boundaries, and each part is pieces of its expert's matrix (under expert tensor
+parallelism TP-sliced like a dense weight) - so a checkpoint does not depend on the expert-parallel split or ETP, and an expert loads on whichever rank holds it.
 
 Nothing is gathered and nothing is copied: a save writes from, and a load reads into, the optimizer's own
 flat buffers. No collectives here (DCP's plan gathers are the only ones).
@@ -32,7 +32,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed._shard.sharding_spec import ShardingSpec
 
-from tricorn.model.init import ShardInfo, expert_name, global_shape, is_expert, shard_info
+from tricorn.model.init import ShardInfo, expert_matrix_shape, expert_name, expert_tp_info, global_shape, is_expert, shard_info
 
 
 @dataclass(frozen=True)
@@ -84,15 +84,15 @@ def owned_parts(name: str, p: torch.Tensor, start: int, stop: int) -> list[Owned
     if not is_expert(p):
         pieces = owned_pieces(p, start, stop)
         return [OwnedPart(name, 0, stop - start, global_shape(p), pieces)] if pieces else []
-    shape, first = tuple(p.shape[1:]), shard_info(p).real_range()[0]
+    shape, first, tp, full = tuple(p.shape[1:]), shard_info(p).real_range()[0], expert_tp_info(p), expert_matrix_shape(p)
     size = math.prod(shape)
     parts = []
     for j in range(start // size, -(-stop // size)):
         lo, hi = max(start, j * size), min(stop, (j + 1) * size)
         if hi <= lo:
             continue
-        pieces = _pieces(shape, None, lo - j * size, hi - j * size)
-        parts.append(OwnedPart(expert_name(name, first + j), lo - start, hi - start, shape, pieces))
+        pieces = _pieces(shape, tp, lo - j * size, hi - j * size)  # TP-sliced like a dense weight (expert TP)
+        parts.append(OwnedPart(expert_name(name, first + j), lo - start, hi - start, full, pieces))
     return parts
 
 

@@ -58,7 +58,7 @@ def build(cfg: Config, state):
     """Model chunks, optimizer, loaders and the forward/backward function for this rank."""
     from tricorn.model.init import InitSpec, materialize
     from tricorn.parallel.context import apply_context_parallel
-    from tricorn.parallel.expert import apply_expert_parallel
+    from tricorn.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
     from tricorn.parallel.optimizer import Optimizer
     from tricorn.parallel.pipeline.build import build_model_chunks
     from tricorn.parallel.pipeline.executor import PipelineExecutor
@@ -69,7 +69,7 @@ def build(cfg: Config, state):
 
     tracker = seed_everything(cfg.training.seed, state.pp_rank, state.tp_rank, state.device)
     spec = apply_context_parallel(tensor_parallel_spec(cfg, state.tp_group), state.cp_group, cfg.model.seq_length)
-    spec = apply_expert_parallel(spec, state.ep_group)
+    spec = apply_expert_tensor_parallel(apply_expert_parallel(spec, state.ep_group), cfg, state.tp_group)
     if cfg.model.transformer_impl == "transformer_engine":
         from tricorn.parallel.te import te_spec
 

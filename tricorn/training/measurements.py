@@ -74,12 +74,11 @@ class ParameterCounts:
 
 def parameter_counts(chunks: list[torch.nn.Module], state: Any) -> ParameterCounts:
     """Collectives: one all-gather over the world (4 integers per rank)."""
-    from tricorn.model.init import is_expert, shard_info
+    from tricorn.model.init import is_expert, is_tp_split
     from tricorn.parallel.grads import counts_for_norm
 
     def once_over_tp(p: torch.Tensor) -> bool:  # TP shards on every TP rank, TP-replicated ones on TP rank 0
-        info = shard_info(p)
-        return (info is not None and info.world > 1 and not is_expert(p)) or state.tp_rank == 0
+        return is_tp_split(p) or state.tp_rank == 0
 
     def replica0(p: torch.Tensor) -> bool:  # DP/CP replicas (expert-DP for MoE experts) hold the same parameters
         return dist.get_rank(state.replica_group(is_expert(p))) == 0
