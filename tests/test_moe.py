@@ -190,6 +190,46 @@ def test_sequence_shards_add_up_to_the_whole_sequence(score):
         torch.testing.assert_close(g, want, rtol=TOL, atol=TOL)
 
 
+def test_expert_tensor_parallel_slices_add_up_to_the_layer():
+    """--expert-tensor-parallel-size 2 in one process (the TP hooks as identities, their sum done here): each rank's
+    experts are its w1 rows / w2 columns of every expert, initialised by global name; the two ranks' partial
+    outputs add up to the layer's, and their expert gradients are the slices of the layer's (TP shards: not summed
+    over TP). SP's gathered routing runs in the 4-rank test (test_moe_parallel.py)."""
+    import dataclasses
+
+    from tricorn.model.init import InitSpec, expert_tp_info, is_tp_split
+
+    cfg = cfg_for(moe_ffn_hidden_size=12)
+    init = InitSpec(seed=3, std=0.5, num_layers=1)
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+
+    def build(spec):
+        layer = moe_mlp(cfg, spec)
+        for name, p in layer.named_parameters():  # every value from its global name, as the trainer does
+            p.data = init.value(name, p, p.device).double()
+        return layer
+
+    whole = build(local_spec())
+    out = whole(x)
+    grads = torch.autograd.grad(out.sum(), [whole.experts.w1, whole.experts.w2])
+    identity = lambda t: t  # noqa: E731 - one process: the same tokens on both "ranks", outputs summed below
+    total, slices = torch.zeros_like(out), []
+    for rank in range(2):
+        spec = dataclasses.replace(local_spec(), expert_tensor_parallel=(rank, 2), expert_tp_enter=identity, expert_tp_exit=identity)
+        layer = build(spec)
+        w1, w2 = layer.experts.w1, layer.experts.w2
+        assert is_tp_split(w1) and expert_tp_info(w2).dim == 1 and w1.shape == (4, 12, 16) and w2.shape == (4, 16, 6)
+        assert not is_tp_split(layer.router.weight)  # the router stays TP-replicated
+        assert torch.equal(w1, whole.experts.w1[:, rank * 12 : (rank + 1) * 12])  # whole gate/up pairs
+        assert torch.equal(w2, whole.experts.w2[:, :, rank * 6 : (rank + 1) * 6])
+        part = layer(x)
+        total = total + part
+        slices.append(torch.autograd.grad(part.sum(), [w1, w2]))
+    torch.testing.assert_close(total, out, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(torch.cat([s[0] for s in slices], 1), grads[0], rtol=TOL, atol=TOL)
+    torch.testing.assert_close(torch.cat([s[1] for s in slices], 2), grads[1], rtol=TOL, atol=TOL)
+
+
 def test_expert_bias_update_moves_towards_mean_load():
     router = Router(cfg_for(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True))
     update_expert_bias(router, torch.tensor([8.0, 2.0, 5.0, 5.0]), rate=0.01)

@@ -2,9 +2,10 @@
 
 Two single-process references (pretrain_gpt.py: dropless, and with token dropping) and ONE launch of 4 ranks
 (tests/workers/moe_layouts.py) that trains every layout in turn on meshes of its own - EP 2 and 4 alone, EP2
-with TP2, with TP2 and sequence parallelism (DDP and the distributed optimizer), with PP2, with the distributed
+with TP2, with TP2 and sequence parallelism (DDP and the distributed optimizer), with expert tensor parallelism (ETP2
+with TP2, also under SP and with the distributed optimizer), with PP2, with the distributed
 optimizer (EP 2 and 4) and with full recompute, EP4 with CP2, EP2 with dropping (also under SP) - and resumes
-EP2 checkpoints at EP 4 and 1 (DDP and the distributed optimizer) and at EP2. Every router statistic (aux
+EP2 checkpoints at EP 4 and 1 (DDP and the distributed optimizer; an ETP2 one at ETP1) and at EP2. Every router statistic (aux
 loss, capacity, expert-bias update) is per microbatch over the same tokens in every layout (under SP the
 counts are summed over TP; only the capacity is per TP rank), so the layouts compare at the same
 --micro-batch-size (1). Keeping the launches few keeps the
@@ -131,6 +132,13 @@ def test_expert_parallel_layouts_equal_single_process(results, name):
     assert_close(run["losses"], ref.losses, what=f"{name} lm loss")
     assert_close(run["grad_norms"], ref.grad_norms, what=f"{name} grad norm")
     _assert_same_moe_values(run["moe"], _moe_records(ref), name)
+
+
+def test_expert_tensor_parallel_splits_each_expert_over_tp(results):
+    """ETP2 holds half of each of its experts: half the routed-expert parameters of the same layout at ETP1."""
+    runs = results["runs"]
+    assert runs["ep2-etp2"]["expert_params"] * 2 == runs["ep2-tp2"]["expert_params"] > 0
+    assert runs["ep2-etp2-sp"]["expert_params"] == runs["ep2-etp2"]["expert_params"]
 
 
 def test_expert_parallel_with_context_parallel(results):

@@ -8,7 +8,8 @@ trainer (build_trainer) on a mesh of that layout, trains, and records per iterat
 and the logged MoE values (MoEMonitor, as TensorBoard gets them); with record_router_calls, per router call the
 copies routed to each expert, the dropped copies and the tokens; with count_host_reads the host reads of each
 iteration (tricorn.host_reads) with where they were made, on every rank; rank 0's CPU peak beyond its state
-while it saves and loads (measurements.cpu_peak_bytes) beside its largest DP bucket. Iterations log at --log-interval. Rank 0 writes {name: record} to "out" (the host reads of
+while it saves and loads (measurements.cpu_peak_bytes) beside its largest DP bucket, and its routed experts'
+parameter count. Iterations log at --log-interval. Rank 0 writes {name: record} to "out" (the host reads of
 every rank). The test compares the records with single-process runs.
 """
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from tricorn.host_reads import HostReadCounter  # noqa: E402
+from tricorn.model.init import is_expert  # noqa: E402
 from tricorn.model.moe import Router  # noqa: E402
 from tricorn.parallel import grads  # noqa: E402
 from tricorn.parallel.state import init_parallel  # noqa: E402
@@ -96,6 +98,7 @@ def train(run: dict) -> dict:
     trainer.optimizer.wait_all()
     trainer.optimizer.close()
     routers = sum(isinstance(m, Router) for c in trainer.chunks for m in c.modules())
+    out["expert_params"] = sum(p.numel() for c in trainer.chunks for p in c.parameters() if is_expert(p))  # rank 0's
     reads: list = [None] * dist.get_world_size()
     dist.all_gather_object(reads, {"reads": out["host_reads"], "routers": routers})
     out["host_reads"] = reads  # per rank: the reads of each iteration, and the MoE layers it holds
