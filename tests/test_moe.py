@@ -292,6 +292,14 @@ def test_flops_and_params_count_active_experts():
         ("--num-experts 3 --disable-bias-linear --expert-model-parallel-size 2", "--num-experts 3 is not divisible by"),
         ("--num-experts 4 --disable-bias-linear --expert-model-parallel-size 4", "must divide DP x CP = 2"),
         ("--num-experts 2 --disable-bias-linear --moe-expert-capacity-factor 0", "--moe-expert-capacity-factor must be"),
+        # Expert TP is 1 (replicated over TP) or TP (Megatron's semantics); other splits are refused.
+        ("--num-experts 2 --disable-bias-linear --expert-tensor-parallel-size 2", "--expert-tensor-parallel-size 2 is not supported"),
+        ("--expert-tensor-parallel-size 2 --tensor-model-parallel-size 2", "--expert-tensor-parallel-size needs --num-experts"),
+        (
+            "--num-experts 2 --disable-bias-linear --tensor-model-parallel-size 2 --expert-tensor-parallel-size 2 "
+            "--moe-ffn-hidden-size 33",
+            "--moe-ffn-hidden-size 33 is not divisible by --expert-tensor-parallel-size 2",
+        ),
     ],
 )
 def test_bad_moe_flags_are_one_line(flags, message):
@@ -307,6 +315,8 @@ def test_bad_moe_flags_are_one_line(flags, message):
 
 
 def test_planning_counts_expert_parallel_params_and_all_to_all_volume():
+    import dataclasses
+
     from tricorn.config import PRESETS
     from tricorn.planning.memory import Layout, estimate, expert_params, stage_params_per_rank
     from tricorn.planning.step_time import ep_all_to_all_bytes, ep_rows_per_token
@@ -328,6 +338,12 @@ def test_planning_counts_expert_parallel_params_and_all_to_all_volume():
     # Under SP each TP rank dispatches only its half of the sequence.
     sp = Layout(tp=2, ep=8, dp=8, precision="bf16", sequence_parallel=True)
     assert ep_all_to_all_bytes(mixtral, sp, 4096) == pytest.approx(4096 / 2 * 7 / 4 * row)
+    # Expert TP (ETP = TP = 2): each rank holds half of each of its experts and dispatches the gathered sequence.
+    etp = Layout(tp=2, ep=4, dp=4, etp=2, sequence_parallel=True)
+    assert stage_params_per_rank(mixtral, Layout(tp=2, ep=4, dp=4), 0, 32) - stage_params_per_rank(mixtral, etp, 0, 32) == (
+        32 * 2 * expert_params(mixtral) // 2
+    )
+    assert ep_all_to_all_bytes(mixtral, dataclasses.replace(sp, etp=2), 4096) == pytest.approx(4096 * 7 / 4 * row)
 
 
 def test_planner_searches_expert_parallelism_with_valid_flags():
@@ -407,13 +423,15 @@ def test_activation_formula_counts_what_the_moe_layer_saves(kw, dtype):
     [
         "--pipeline-model-parallel-size 2 --expert-model-parallel-size 4",
         "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 4",
+        "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 4 --expert-tensor-parallel-size 2",
     ],
-    ids=["ep4-pp2", "tp2-sp-ep4"],
+    ids=["ep4-pp2", "tp2-sp-ep4", "tp2-sp-ep4-etp2"],
 )
 def test_simulate_builds_only_local_experts_and_matches_the_estimate(layout):
     """tricorn simulate at Mixtral's size (4 of its 32 layers) with EP4 x PP2, and TP2 x EP4 under SP (the experts
-    take a sequence shard): each rank builds 2 of the 8 experts of its layers, and the estimator says what the
-    run allocates (test_simulate.py's bound)."""
+    take a sequence shard), also with expert TP (each expert split over TP, the gathered sequence through it):
+    each rank builds 2 of the 8 experts of its layers, and the estimator says what the run allocates
+    (test_simulate.py's bound)."""
     from tricorn.simulate import KEYS, config_for_simulation, default_ranks, ratio, simulate
 
     flags = "--model-preset mixtral-8x7b --num-layers 4 --bf16 --use-distributed-optimizer --micro-batch-size 1"

@@ -122,7 +122,7 @@ def validate_moe(cfg: Config) -> list[str]:
     if etp not in (1, tp):
         errs.append(
             f"--expert-tensor-parallel-size {etp} is not supported: use 1 (experts replicated over TP) or "
-            f"--tensor-model-parallel-size {tp} (experts split over TP)"
+            f"{tp}, the --tensor-model-parallel-size (each expert split over TP)"
         )
     elif etp > 1 and m.moe_ffn_size % etp:
         errs.append(f"--moe-ffn-hidden-size {m.moe_ffn_size} is not divisible by --expert-tensor-parallel-size {etp}")

@@ -193,6 +193,7 @@ def layer_activation_terms(
     profile: ActivationProfile = TRICORN,
     device: str = "cuda",
     cp: int = 1,
+    etp: int = 1,
 ) -> LayerActivationTerms:
     """Bytes one layer keeps for backward for one microbatch of ``micro_batch`` x ``seq`` tokens on one rank, by
     term (the module docstring's table); ``seq`` is the rank's sequence length, after CP over ``cp`` ranks."""
@@ -233,19 +234,19 @@ def layer_activation_terms(
         qkv=qkv / tp,
         attention_output=e * sbh * max(copies, 1) / tp,
         attention_core=core / tp,
-        mlp=0.0 if "mlp" in selective else mlp_activation_bytes(model, e, s * b, tp, "mlp_act" in selective, sp_div),
+        mlp=0.0 if "mlp" in selective else mlp_activation_bytes(model, e, s * b, tp, "mlp_act" in selective, sp_div, etp),
     )
 
 
 def mlp_activation_bytes(
-    model: ModelConfig, e: float, tokens: int, tp: int, act_recomputed: bool = False, sequence_shards: int = 1
+    model: ModelConfig, e: float, tokens: int, tp: int, act_recomputed: bool = False, sequence_shards: int = 1, etp: int = 1
 ) -> float:
     """The MLP's saved tensors, the mean over the layers (MoE layers and dense ones): dense e*T*f*widths/tp
     (``_mlp_widths``), MoE ``moe_layer_bytes`` (under SP over ``sequence_shards`` = TP ranks)."""
     dense = e * tokens * model.ffn_size * _mlp_widths(model.swiglu, act_recomputed) / tp
     if model.num_experts is None:
         return dense
-    moe = moe_layer_bytes(model, e, tokens, tp, act_recomputed, sequence_shards)
+    moe = moe_layer_bytes(model, e, tokens, tp, act_recomputed, sequence_shards, etp)
     n_moe = sum(model.is_moe_layer(i) for i in range(model.num_layers))
     return (n_moe * moe + (model.num_layers - n_moe) * dense) / model.num_layers
 
@@ -260,7 +261,7 @@ def moe_copies(model: ModelConfig, tokens: int) -> int:
 
 
 def moe_layer_bytes(
-    model: ModelConfig, e: float, tokens: int, tp: int, act_recomputed: bool = False, sequence_shards: int = 1
+    model: ModelConfig, e: float, tokens: int, tp: int, act_recomputed: bool = False, sequence_shards: int = 1, etp: int = 1
 ) -> float:
     """What one MoE MLP (model/moe.py) keeps for backward, T tokens, C copies (``moe_copies``), as the probe
     counts it (tests/test_activation_probe.py):
@@ -273,13 +274,15 @@ def moe_layer_bytes(
                     shared expert replaces the norm output the linear_inputs term counts (e*h)
         per layer   the aux loss's counts and value (4E + 4), a 16-bit run's fp32 router weight (4Eh)
 
-    plus the shared expert as a dense MLP of its width (TP-split). The experts are not TP-split. Expert
-    parallelism adds two int64 indices per row it sends (not counted). Under sequence parallelism the router
-    and experts see only this rank's T / ``sequence_shards`` tokens (the shared expert gathers the sequence)."""
+    plus the shared expert as a dense MLP of its width (TP-split). The experts are TP-split with expert tensor
+    parallelism (``etp`` = TP: intermediates f / ETP), else not. Expert parallelism adds two int64 indices per row
+    it sends (not counted). Under sequence parallelism the router sees only this rank's T / ``sequence_shards``
+    tokens (the shared expert gathers the sequence), and so do the experts at ETP 1; at ETP = TP they run the
+    copies of all the shards (gathered over TP), each shard's dropped by its own capacity."""
     h, n, k = model.hidden_size, model.num_experts, model.moe_router_topk
     full, tokens = tokens, tokens // sequence_shards
-    copies = moe_copies(model, tokens)
-    out = copies * (e * (2 * h + model.moe_ffn_size * _mlp_widths(model.swiglu, False)) + e + 16)
+    copies = moe_copies(model, tokens) * (sequence_shards if etp > 1 else 1)
+    out = copies * (e * (2 * h + model.moe_ffn_size // etp * _mlp_widths(model.swiglu, False)) + e + 16)
     per_token = 4 * n + 9 * k
     if model.moe_router_score_function == "softmax" or k > 1:
         per_token += 4 * k + 4
@@ -336,6 +339,7 @@ def layout_layer_bytes(model: ModelConfig, layout: Layout, profile: ActivationPr
         precision=layout.precision,
         device=layout.device,
         cp=layout.cp,
+        etp=layout.etp,
     )
     return layer_activation_bytes(model, **(kw | override), profile=profile)
 
@@ -383,11 +387,14 @@ def moe_backward_workspace(model: ModelConfig, layout: Layout) -> float:
     SwiGLU's sigmoid less the saved output already released (lean.swiglu: e*C*3f; GeLU e*C*2f), or in the up
     projection's backward the stacked weight gradient of the rank's E/EP experts (until the DP hook takes it)
     and the input gradient (e*C*h). 0 for a dense model (its MLP's is T/C x TP times smaller, within the
-    estimate's bound). Under SP the copies are those of the rank's sequence shard."""
+    estimate's bound). Under SP the copies are those of the rank's sequence shard (at ETP = TP of all the shards,
+    through f / ETP of each expert)."""
     if model.num_experts is None:
         return 0.0
-    tokens = model.seq_length // layout.cp * layout.micro_batch // (layout.tp if layout.sequence_parallel else 1)
-    e, f, h, copies = activation_element_bytes(layout.precision), model.moe_ffn_size, model.hidden_size, moe_copies(model, tokens)
+    shards = layout.tp if layout.sequence_parallel else 1
+    tokens = model.seq_length // layout.cp * layout.micro_batch // shards
+    e, f, h = activation_element_bytes(layout.precision), model.moe_ffn_size // layout.etp, model.hidden_size
+    copies = moe_copies(model, tokens) * (shards if layout.etp > 1 else 1)
     up = f * (2 if model.swiglu else 1)
     activation = e * copies * f * (3 if model.swiglu else 2)
     weight_grad = e * model.num_experts // layout.ep * up * h + e * copies * h  # 16-bit runs: 16-bit parameters

@@ -125,6 +125,7 @@ class Layout:
     device: str = "cuda"
     ddp_bucket_elements: Optional[int] = None  # --ddp-bucket-size; None: the config's default, max(40M, 1M x DP)
     ep: int = 1  # expert parallel: ranks of DP x CP that split the MoE experts
+    etp: int = 1  # expert tensor parallel: 1 (routed experts replicated over TP) or TP (split like the dense MLP)
 
     @property
     def world_size(self) -> int:
@@ -159,6 +160,7 @@ class Layout:
             device=cfg.device or "cuda",
             ddp_bucket_elements=p.ddp_bucket_size,
             ep=p.expert_model_parallel_size,
+            etp=p.expert_tensor_parallel_size,
         )
 
 
@@ -199,35 +201,37 @@ def _mlp_params(h: int, f: int, swiglu: bool, bias: bool, tp: int) -> int:
     return sum(_mlp_sizes(h, f, swiglu, bias, tp))
 
 
-def expert_params(model: ModelConfig) -> int:
-    """One routed expert's parameters (no biases: MoE needs --disable-bias-linear)."""
-    return _mlp_params(model.hidden_size, model.moe_ffn_size, model.swiglu, False, 1)
+def expert_params(model: ModelConfig, etp: int = 1) -> int:
+    """One routed expert's parameters on a rank (no biases: MoE needs --disable-bias-linear); / ETP."""
+    return _mlp_params(model.hidden_size, model.moe_ffn_size, model.swiglu, False, etp)
 
 
-def mlp_params_per_rank(model: ModelConfig, layer_id: int, tp: int = 1, active: bool = False, ep: int = 1) -> int:
+def mlp_params_per_rank(
+    model: ModelConfig, layer_id: int, tp: int = 1, active: bool = False, ep: int = 1, etp: int = 1
+) -> int:
     """The MLP of layer `layer_id`: dense, or router + experts (all, or the top-k a token uses) + shared expert.
 
-    Routed experts are split over EP and replicated over TP (no expert tensor parallelism); the shared expert
-    is TP-split."""
+    Routed experts are split over EP, and over TP with expert tensor parallelism (etp = TP; replicated at etp 1);
+    the router is TP-replicated, the shared expert TP-split."""
     h, bias = model.hidden_size, not model.disable_bias_linear
     if not model.is_moe_layer(layer_id):
         return _mlp_params(h, model.ffn_size, model.swiglu, bias, tp)
     experts = model.moe_router_topk if active else model.num_experts // ep
-    n = model.num_experts * h + experts * expert_params(model)
+    n = model.num_experts * h + experts * expert_params(model, etp)
     shared = model.moe_shared_expert_intermediate_size
     return n + (_mlp_params(h, shared, model.swiglu, bias, tp) if shared else 0)
 
 
-def layer_params_per_rank(model: ModelConfig, tp: int = 1, active: bool = False, ep: int = 1) -> int:
+def layer_params_per_rank(model: ModelConfig, tp: int = 1, active: bool = False, ep: int = 1, etp: int = 1) -> int:
     """Parameters of one layer on one TP rank; for a model mixing MoE and dense MLPs, the mean over its layers."""
     n = sum(_attention_sizes(model, tp))
     if model.num_experts is None:
         return n + mlp_params_per_rank(model, 0, tp)
-    mlps = sum(mlp_params_per_rank(model, i, tp, active, ep) for i in range(model.num_layers))
+    mlps = sum(mlp_params_per_rank(model, i, tp, active, ep, etp) for i in range(model.num_layers))
     return n + round(mlps / model.num_layers)
 
 
-def layer_param_sizes(model: ModelConfig, layer_id: int, tp: int = 1, ep: int = 1) -> list[tuple[int, bool]]:
+def layer_param_sizes(model: ModelConfig, layer_id: int, tp: int = 1, ep: int = 1, etp: int = 1) -> list[tuple[int, bool]]:
     """(elements, kept apart) of each parameter of layer ``layer_id`` on a TP rank, in the model's order. Kept
     apart: a routed expert's weights sit in buckets of their own (they reduce over expert-DP)."""
     h, bias = model.hidden_size, not model.disable_bias_linear
@@ -235,7 +239,7 @@ def layer_param_sizes(model: ModelConfig, layer_id: int, tp: int = 1, ep: int = 
     if not model.is_moe_layer(layer_id):
         return sizes + [(n, False) for n in _mlp_sizes(h, model.ffn_size, model.swiglu, bias, tp)]
     sizes.append((model.num_experts * h, False))  # the router
-    expert = _mlp_sizes(h, model.moe_ffn_size, model.swiglu, False, 1)
+    expert = _mlp_sizes(h, model.moe_ffn_size, model.swiglu, False, etp)
     sizes += [(n, True) for _ in range(model.num_experts // ep) for n in expert]
     shared = model.moe_shared_expert_intermediate_size
     return sizes + [(n, False) for n in (_mlp_sizes(h, shared, model.swiglu, bias, tp) if shared else [])]
@@ -259,7 +263,7 @@ def stage_param_parts(
             head.append((model.max_positions * h, False))
     counts = stage_layer_counts(model.num_layers, layout.pp, layout.first_stage_layers, layout.last_stage_layers)
     offset = sum(counts[:stage]) if len(counts) == layout.pp and counts[stage] == layers else 0
-    body = [layer_param_sizes(model, offset + i, tp, layout.ep) for i in range(layers)]
+    body = [layer_param_sizes(model, offset + i, tp, layout.ep, layout.etp) for i in range(layers)]
     tail: list[tuple[int, bool]] = []
     if last:
         tail += [(h, False)] * (2 if model.normalization == "LayerNorm" else 1)
@@ -272,7 +276,7 @@ def stage_params_per_rank(model: ModelConfig, layout: Layout, stage: int, layers
     """Parameters one TP rank of pipeline ``stage`` holds (``active``: only the top-k experts a token uses)."""
     h, tp = model.hidden_size, layout.tp
     vocab = model.padded_vocab_size(tp)
-    n = layers * layer_params_per_rank(model, tp, active, layout.ep)
+    n = layers * layer_params_per_rank(model, tp, active, layout.ep, layout.etp)
     first, last = stage == 0, stage == layout.pp - 1
     if first:
         n += vocab // tp * h
@@ -297,7 +301,7 @@ def stage_expert_params_per_rank(model: ModelConfig, layout: Layout, layers: int
     if model.num_experts is None:
         return 0
     n_moe = sum(model.is_moe_layer(i) for i in range(model.num_layers))
-    return round(layers * n_moe / model.num_layers * model.num_experts // layout.ep * expert_params(model))
+    return round(layers * n_moe / model.num_layers * model.num_experts // layout.ep * expert_params(model, layout.etp))
 
 
 def active_params(model: ModelConfig) -> int:

@@ -274,6 +274,8 @@ def layout_args(layout, global_batch: int) -> list[str]:
         args += ["--context-parallel-size", str(layout.cp)]
     if layout.ep > 1:
         args += ["--expert-model-parallel-size", str(layout.ep)]
+    if layout.etp > 1:
+        args += ["--expert-tensor-parallel-size", str(layout.etp)]
     if layout.sequence_parallel:
         args.append("--sequence-parallel")
     args += ["--micro-batch-size", str(layout.micro_batch), "--global-batch-size", str(global_batch)]

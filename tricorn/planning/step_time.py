@@ -104,11 +104,12 @@ class _Layer:
     parts: dict = field(default_factory=dict)
 
 
-def mlp_width_per_rank(model: ModelConfig, tp: int, sequence_parallel: bool = False) -> float:
+def mlp_width_per_rank(model: ModelConfig, tp: int, sequence_parallel: bool = False, etp: int = 1) -> float:
     """The MLP inner width one token meets on one TP rank, averaged over the layers (MoE: active experts, which
-    under SP see only the rank's 1/TP of the tokens: as if TP-split)."""
+    under SP see only the rank's 1/TP of the tokens, or with expert TP all tokens through 1/TP of each expert:
+    as if TP-split either way)."""
     widths = []
-    routed_div = tp if sequence_parallel else 1
+    routed_div = tp if sequence_parallel or etp > 1 else 1
     for i in range(model.num_layers):
         if model.is_moe_layer(i):
             routed = model.moe_router_topk * model.moe_ffn_size / routed_div
@@ -130,10 +131,10 @@ def ep_all_to_all_bytes(model: ModelConfig, lay: Layout, tokens: float) -> float
     state once per other rank holding one of its experts (``ep_rows_per_token``), dispatched and combined in
     forward and again in backward (4 transfers; 6 with full recompute), and with each row its routing weights
     for that rank's E/EP experts (fp32) and their gradients (2 transfers; 3). Under SP a rank dispatches only its
-    sequence shard (1/TP of the tokens)."""
+    sequence shard (1/TP of the tokens) at ETP 1; at ETP = TP the shards gathered over TP (all the tokens)."""
     if model.num_experts is None or lay.ep == 1:
         return 0.0
-    tokens = tokens / (lay.tp if lay.sequence_parallel else 1)
+    tokens = tokens / (lay.tp if lay.sequence_parallel and lay.etp == 1 else 1)
     moe_fraction = sum(model.is_moe_layer(i) for i in range(model.num_layers)) / model.num_layers
     full = lay.recompute == "full"
     row = (6 if full else 4) * model.hidden_size * activation_element_bytes(lay.precision)
@@ -158,7 +159,7 @@ def _layer(model: ModelConfig, lay: Layout, cluster: Cluster, features: RunFeatu
     q = model.num_attention_heads * model.head_dim
     e = activation_element_bytes(lay.precision)
     tokens = lay.micro_batch * model.seq_length / cp  # per rank per microbatch
-    f = mlp_width_per_rank(model, tp, lay.sequence_parallel)  # MoE: the active width (k experts + shared expert)
+    f = mlp_width_per_rank(model, tp, lay.sequence_parallel, lay.etp)  # MoE: the active width (k experts + shared expert)
     up = f * (2 if model.swiglu else 1)
     qkv = _gemm_time(2 * tokens * h * (q + 2 * gd) / tp, min(tokens, (q + 2 * gd) / tp, h), peak, eff.gemm)
     proj = _gemm_time(2 * tokens * q * h / tp, min(tokens, h, q / tp), peak, eff.gemm)
@@ -182,6 +183,8 @@ def _layer(model: ModelConfig, lay: Layout, cluster: Cluster, features: RunFeatu
         collectives = 8 + (4 if lay.recompute == "full" else 0)
         if lay.recompute == "selective" and "mlp" in lay.recompute_modules and lay.sequence_parallel:
             collectives += 1  # the MLP input is all-gathered again
+        if lay.etp > 1:  # expert TP: the tokens in and the experts' outputs out of each MoE layer, both directions
+            collectives += 4 * sum(model.is_moe_layer(i) for i in range(model.num_layers)) / model.num_layers
         tp_comm = collectives * tokens * h * e * (tp - 1) / tp / _link(cluster, 1, tp)
         # An overlapped TP collective hides behind its GEMM; what is longer than the GEMM shows.
         out.tp_comm = max(0.0, tp_comm - 3 * gemm_fwd) if features.tp_comm_overlap else tp_comm
