@@ -215,7 +215,9 @@ def test_expert_tensor_parallel_slices_add_up_to_the_layer():
     identity = lambda t: t  # noqa: E731 - one process: the same tokens on both "ranks", outputs summed below
     total, slices = torch.zeros_like(out), []
     for rank in range(2):
-        spec = dataclasses.replace(local_spec(), expert_tensor_parallel=(rank, 2), expert_tp_enter=identity, expert_tp_exit=identity)
+        spec = dataclasses.replace(
+            local_spec(), expert_tensor_parallel=(rank, 2), expert_tp_enter=identity, expert_tp_exit=identity
+        )
         layer = build(spec)
         w1, w2 = layer.experts.w1, layer.experts.w2
         assert is_tp_split(w1) and expert_tp_info(w2).dim == 1 and w1.shape == (4, 12, 16) and w2.shape == (4, 16, 6)
@@ -293,7 +295,10 @@ def test_flops_and_params_count_active_experts():
         ("--num-experts 4 --disable-bias-linear --expert-model-parallel-size 4", "must divide DP x CP = 2"),
         ("--num-experts 2 --disable-bias-linear --moe-expert-capacity-factor 0", "--moe-expert-capacity-factor must be"),
         # Expert TP is 1 (replicated over TP) or TP (Megatron's semantics); other splits are refused.
-        ("--num-experts 2 --disable-bias-linear --expert-tensor-parallel-size 2", "--expert-tensor-parallel-size 2 is not supported"),
+        (
+            "--num-experts 2 --disable-bias-linear --expert-tensor-parallel-size 2",
+            "--expert-tensor-parallel-size 2 is not supported",
+        ),
         ("--expert-tensor-parallel-size 2 --tensor-model-parallel-size 2", "--expert-tensor-parallel-size needs --num-experts"),
         (
             "--num-experts 2 --disable-bias-linear --tensor-model-parallel-size 2 --expert-tensor-parallel-size 2 "

@@ -147,7 +147,9 @@ class ParallelConfig:
     sequence_parallel: bool = _f(False, "Shard norms/dropout activations along the sequence over TP.")
     expert_model_parallel_size: int = _f(1, "EP: ranks of DP x CP that split each MoE layer's experts.", bound=AT_LEAST_1)
     expert_tensor_parallel_size: int = _f(
-        1, "ETP: ranks that split each routed expert's matrices; 1 (replicated over TP) or TP (Megatron's default).", bound=AT_LEAST_1
+        1,
+        "ETP: ranks that split each routed expert's matrices; 1 (replicated over TP) or TP (Megatron's default).",
+        bound=AT_LEAST_1,
     )
     num_layers_per_virtual_pipeline_stage: Optional[int] = _f(
         None, "Layers per model chunk (interleaved 1F1B).", bound=AT_LEAST_1

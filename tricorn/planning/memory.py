@@ -206,9 +206,7 @@ def expert_params(model: ModelConfig, etp: int = 1) -> int:
     return _mlp_params(model.hidden_size, model.moe_ffn_size, model.swiglu, False, etp)
 
 
-def mlp_params_per_rank(
-    model: ModelConfig, layer_id: int, tp: int = 1, active: bool = False, ep: int = 1, etp: int = 1
-) -> int:
+def mlp_params_per_rank(model: ModelConfig, layer_id: int, tp: int = 1, active: bool = False, ep: int = 1, etp: int = 1) -> int:
     """The MLP of layer `layer_id`: dense, or router + experts (all, or the top-k a token uses) + shared expert.
 
     Routed experts are split over EP, and over TP with expert tensor parallelism (etp = TP; replicated at etp 1);

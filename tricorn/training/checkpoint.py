@@ -65,7 +65,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tricorn.config import Config, dump_yaml
-from tricorn.model.init import INIT_KEY_ATTR, is_expert, is_tp_split, shard_info
+from tricorn.model.init import INIT_KEY_ATTR, is_expert, is_tp_split
 from tricorn.parallel.state import ParallelState
 from tricorn.training import checkpoint_io as io
 from tricorn.training.checkpoint_io import CheckpointError
