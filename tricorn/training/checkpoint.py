@@ -454,4 +454,5 @@ class Checkpointer:
 def _layout_str(layout: dict) -> str:
     opt = f", distributed optimizer ZeRO-{layout['zero_stage']}" if layout.get("distributed_optimizer") else ""
     ep = f" (EP {layout['ep']})" if layout.get("ep", 1) > 1 else ""
+    ep += f" (ETP {layout['etp']})" if layout.get("etp", 1) > 1 else ""
     return f"TP {layout['tp']} x PP {layout['pp']} (VPP {layout['vpp']}) x CP {layout['cp']} x DP {layout['dp']}{ep}{opt}"
