@@ -41,6 +41,11 @@ Host reads: the loop of GEMMs and a capacity that drops copies need the per-expe
 through the grouped matmul reads nothing. Under `balanced_routing` (tricorn simulate, whose FakeTensors hold
 no values) every count reads as the balanced share, T*k/E copies per expert (at most the capacity).
 
+Expert tensor parallelism (spec.expert_tensor_parallel = (TP rank, TP)): each expert holds its slice of w1's rows
+(whole gate/up pairs) and of w2's columns (EXPERT_TP_ATTR, init and checkpoints by global name as above); the
+spec's `expert_tp_enter` gives every TP rank the same tokens (and under SP the gathered routing of the shards:
+`_tp_routing`) and `expert_tp_exit` sums the partial outputs over TP. The router is unchanged.
+
 No collectives; `dispatch` is a hook a parallel implementation replaces (expert parallelism), and
 `sequence_sum` another (the TP all-reduce under SP; routers and experts then carry `sequence_parallel`, so the
 trainer sums their gradients over TP like the norm weights').
