@@ -1,38 +1,16 @@
 """--num-workers: worker processes prefetch batches; the samples (and so the losses) are bitwise those of
 0 workers, with batch-size ramp-up and across a resume."""
 
-import torch
-from harness import BASE_FLAGS, run_layout, with_flag
+from pathlib import Path
 
-from tricorn.data.base import GlobalBatchLoader, MockSamples
+import torch
+from harness import BASE_FLAGS, run_layout, run_script, with_flag
+
 from tricorn.data.prefetch import PrefetchingBatchLoader
 
 
-def _ramp(consumed: int) -> int:  # 4, 4, 8, 8, ...: the sampler must follow a changing global batch size
-    return 4 if consumed < 8 else 8
-
-
-def _batches(loader, n):
-    out = []
-    for _ in range(n):
-        b = loader.next(_ramp(loader.consumed_samples))
-        out.append((b.tokens, b.labels, b.loss_mask, b.sample_ids))
-    return out
-
-
-def _same(a, b):
-    return len(a) == len(b) and all(all(torch.equal(x, y) for x, y in zip(p[:3], q[:3])) and p[3] == q[3] for p, q in zip(a, b))
-
-
 def test_workers_give_the_same_batches_in_the_same_order_and_resume():
-    source = MockSamples(500, 32, seed=7)
-    for dp_rank in (0, 1):
-        plain = _batches(GlobalBatchLoader(source, dp_rank, 2), 6)
-        prefetched = PrefetchingBatchLoader(GlobalBatchLoader(source, dp_rank, 2), 2, _ramp)
-        assert _same(_batches(prefetched, 3), plain[:3])
-        prefetched.load_state_dict({"consumed_samples": 8})  # a resume: back to global batch 3
-        assert _same(_batches(prefetched, 4), plain[2:])
-        prefetched.close()
+    assert run_script(Path(__file__).parent / "workers" / "prefetch_order.py", 1, timeout=120).strip() == "ok"
 
 
 def test_losses_with_two_workers_are_bitwise_those_of_none_and_resume_bitwise(tmp_path):
