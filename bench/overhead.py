@@ -222,7 +222,9 @@ def single_process(args: argparse.Namespace) -> None:
     print(f"tokens/s trainer / bare       = {med:.3f} median of rounds (min {lo:.3f}, max {hi:.3f})")
     med, lo, hi = paired_ratio(times["trainer"], times["fwd+bwd"])
     best = min(times["trainer"]) / min(times["fwd+bwd"])
-    print(f"step trainer / (fwd+bwd)      = {med:.3f} median of rounds (min {lo:.3f}, max {hi:.3f}; best/best {best:.3f}; goal <= 1.03)")
+    print(
+        f"step trainer / (fwd+bwd)      = {med:.3f} median of rounds (min {lo:.3f}, max {hi:.3f}; best/best {best:.3f}; goal <= 1.03)"
+    )
     opt = optimizer_step_times(cfg)
     n = sum(p.numel() for p in alone.model.parameters())
     line = ", ".join(f"{k} {1000 * statistics.median(v):.2f} (min {1000 * min(v):.2f})" for k, v in opt.items())
@@ -247,11 +249,15 @@ def tp_worker(args: argparse.Namespace) -> None:
     times = interleave({name: side.step for name, side in sides.items()}, [None] * (args.iters + 1))
     if int(os.environ["RANK"]) == 0:
         tokens = 8 * args.seq
-        print(f"overhead bench, {args.tp} ranks: {args.layers} layers, h {args.hidden}, seq {args.seq}, fp32, {args.iters} rounds")
+        print(
+            f"overhead bench, {args.tp} ranks: {args.layers} layers, h {args.hidden}, seq {args.seq}, fp32, {args.iters} rounds"
+        )
         print_sides(times, tokens)
         if args.sp:
             med, lo, hi = paired_ratio(*times.values())
-            print(f"tokens/s tp{args.tp}+sp / tp{args.tp} = {med:.3f} median of rounds (min {lo:.3f}, max {hi:.3f}; goal >= 0.95)")
+            print(
+                f"tokens/s tp{args.tp}+sp / tp{args.tp} = {med:.3f} median of rounds (min {lo:.3f}, max {hi:.3f}; goal >= 0.95)"
+            )
     destroy_parallel(clean_exit=True)
 
 
@@ -260,7 +266,9 @@ def launch_ranks(args: argparse.Namespace) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "WORLD_SIZE": str(args.tp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, *sys.argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(args.tp)]
+    procs = [
+        subprocess.Popen([sys.executable, *sys.argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(args.tp)
+    ]
     return max(p.wait() for p in procs)
 
 

@@ -285,12 +285,7 @@ class Optimizer:
 
     def host_scalars(self) -> list[torch.Tensor]:
         """Tensors kept in host memory by design (foreach AdamW's step counters): reading them syncs nothing."""
-        return [
-            step
-            for s in self.shards
-            for step in s._steps()
-            if step.device.type == "cpu" and s.adam and not s.fused
-        ]
+        return [step for s in self.shards for step in s._steps() if step.device.type == "cpu" and s.adam and not s.fused]
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Every tensor this rank holds for the model state, by category (memory_report.py counts storages)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from tricorn.config import Config, ModelConfig
+from tricorn.config import Config, ModelConfig, default_bucket_elements
 from tricorn.planning.activations import (  # noqa: F401 - re-exported: the estimator's activation API lives here too
     KORTHIKANTI,
     TRICORN,
@@ -117,15 +117,15 @@ class Layout:
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
     device: str = "cuda"
-    ddp_bucket_elements: Optional[int] = None  # --ddp-bucket-size; None: the config's default, max(40M, 1M x DP)
+    ddp_bucket_elements: Optional[int] = None  # --ddp-bucket-size; None: the default (config.default_bucket_elements)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
-    @property
-    def bucket_elements(self) -> int:
-        return self.ddp_bucket_elements or max(40_000_000, 1_000_000 * self.dp)
+    def bucket_elements(self, chunk_params: float) -> int:
+        """DP bucket size for a model chunk of `chunk_params` parameters (what DataParallel picks)."""
+        return self.ddp_bucket_elements or default_bucket_elements(self.dp * self.cp, int(chunk_params))
 
     @classmethod
     def from_config(cls, cfg: Config) -> Layout:
@@ -297,7 +297,8 @@ def zero_transient_grad_bytes(model: ModelConfig, layout: Layout, stage_params: 
     if layout.zero_stage < 2 or layout.dp * layout.cp == 1:
         return 0.0
     g_bytes = bytes_per_param(layout.precision, layout.grads_16bit)[1]
-    bucket = layer_params_per_rank(model, layout.tp) if layout.zero_stage >= 3 else min(layout.bucket_elements, stage_params)
+    chunk = layout.bucket_elements(stage_params / layout.vpp)  # each virtual stage (model chunk) has its own buckets
+    bucket = layer_params_per_rank(model, layout.tp) if layout.zero_stage >= 3 else min(chunk, stage_params)
     return 2 * bucket * g_bytes
 
 
