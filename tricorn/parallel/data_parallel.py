@@ -18,9 +18,12 @@ dtype (fp32, or 16-bit with --grad-reduce-in-bf16) and the buffer is persistent
 (stages 0-1), `param.grad` then IS the slot (torch DDP's gradient_as_bucket_view):
 autograd adds every later microbatch's gradient into the buffer itself, and the
 hook does nothing but bookkeeping. A 16-bit parameter with fp32 `main_grad` cannot
-have a dtype-matching view, so its gradient is cast-copied, then added, into
-main_grad and freed (Megatron fuses that accumulation into the weight-gradient
-GEMM with a CUDA kernel; torch's CPU/CUDA GEMMs cannot write a wider dtype).
+have a dtype-matching view (autograd keeps .grad in the parameter's dtype), so its
+gradient is cast-copied, then added, into main_grad and freed: one pass over it
+per microbatch. Megatron removes that pass by fusing the accumulation into the
+weight-gradient GEMM (a CUDA kernel writing fp32 from bf16 inputs); torch has
+such a GEMM on CUDA only (mm/addmm with out_dtype), so on this CPU-tested code
+path the linears keep torch's autograd GEMM and the copy stays.
 
 Stages (Megatron's DDP + distributed optimizer, and ZeRO-2/3):
 
