@@ -182,7 +182,8 @@ class Bucket:
     def accumulate(self, slot: Slot, grad: torch.Tensor) -> torch.Tensor:
         """Put `grad` into `slot`'s part of the gradient buffer and return that part (flat): written if it is
         the slot's first gradient since the buffer was emptied, added otherwise, left alone when `grad` is
-        the slot itself (autograd already added into it)."""
+        the slot itself (autograd already added into it: it accumulates into a set .grad in place whenever
+        grad mode is off, as in every backward here; nothing runs backward with create_graph)."""
         buffer = self.grad_accumulator() if self.sharded_grads else self.grad_flat
         dst = buffer[slot.offset : slot.end]
         if id(slot.param) not in self.written:
