@@ -3,9 +3,9 @@
 A column -> row parallel pair (with and without sequence parallelism) runs forward and backward on
 [s, b, h] inputs, and context-parallel attention forward on [b, heads, s, d] views of [s, b, heads, d]
 tensors (as the decoder passes them), under a dispatch mode that records every aten copy_ and clone
-outside the collectives themselves: there must be none. (Transposing the sequence to the front for a collective, or cloning before
-an in-place all-reduce, would show up here; gloo's own internal copies - its reduce-scatter writes the
-result into the output - are not ours.) Prints "ok" on rank 0.
+outside the collectives themselves: there must be none. (Transposing the sequence to the front for a
+collective, or cloning before an in-place all-reduce, would show up here; gloo's copies inside its
+collectives are not ours.) Prints "ok" on rank 0.
 """
 
 import torch
@@ -55,7 +55,7 @@ class _Work:
         return _uncounted(self.work.wait)()
 
 
-for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"):
+for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"):
     setattr(dist, name, _uncounted(getattr(dist, name)))
 
 

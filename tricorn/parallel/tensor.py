@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Optional
 
 import torch
@@ -62,6 +62,38 @@ def _dim_major(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.movedim(dim, 0).contiguous()
 
 
+class _Then:
+    """An asynchronous collective's work, and a local step to run once it has completed."""
+
+    def __init__(self, work: dist.Work, then: Callable[[], None]):
+        self.work, self.then = work, then
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.then()
+
+
+def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """dist.reduce_scatter_tensor(out, x): the sum over ranks of x's rank-th dim-0 block lands in `out`.
+
+    On gloo, an all_to_all of the blocks and a local sum instead: gloo runs reduce_scatter as slowly as an
+    all-reduce of the whole tensor (2 CPU ranks, 1 MB: 1.5-2.2 ms against 1.2-1.6 ms for the all-reduce
+    and 0.8 ms for this), while all_to_all moves exactly a reduce-scatter's bytes. Other backends (NCCL)
+    run their own reduce-scatter."""
+    if dist.get_backend(group) != "gloo":
+        return dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)
+    blocks = torch.empty_like(x)  # block r: rank r's contribution to this rank's part
+    work = dist.all_to_all_single(blocks, x, group=group, async_op=async_op)
+
+    def add_blocks() -> None:
+        torch.sum(blocks.view((dist.get_world_size(group),) + tuple(out.shape)), 0, out=out)
+
+    if not async_op:
+        add_blocks()
+        return None
+    return _Then(work, add_blocks)
+
+
 def all_gather_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` (rank order); the result is laid out `dim`-major."""
     world = dist.get_world_size(group)
@@ -80,7 +112,7 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> t
         return x
     x = _dim_major(x, dim)
     out = x.new_empty((x.shape[0] // world,) + x.shape[1:])
-    dist.reduce_scatter_tensor(out, x, group=group)
+    reduce_scatter_tensor(out, x, group)
     return out.movedim(0, dim)
 
 
@@ -126,7 +158,7 @@ class _GatherLinear(torch.autograd.Function):
         grad_input = grad.matmul(weight)  # [s, b, in], contiguous; overlaps the all-gather
         grad_shard = grad_input.new_empty((grad_input.shape[0] // world,) + grad_input.shape[1:])
         gather.wait()
-        scatter = dist.reduce_scatter_tensor(grad_shard, grad_input, group=group, async_op=True)
+        scatter = reduce_scatter_tensor(grad_shard, grad_input, group, async_op=True)
         grad2d = grad.reshape(-1, grad.shape[-1])
         grad_weight = grad2d.t().matmul(gathered.view(-1, gathered.shape[-1]))  # overlaps the reduce-scatter
         grad_bias = grad2d.sum(0) if ctx.has_bias else None
