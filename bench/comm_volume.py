@@ -67,7 +67,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     ),
 }
 # factor of the payload a ring moves per rank, in units of (p-1)/p
-RING = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+RING = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "all_to_all": 1}
 # function -> (kind, position of its `group` argument)
 COLLECTIVES = {
     "all_reduce": ("all_reduce", 2),
@@ -77,7 +77,7 @@ COLLECTIVES = {
     "all_gather_into_tensor": ("all_gather", 2),
     "all_gather": ("all_gather", 2),
     "broadcast": ("broadcast", 2),
-    "all_to_all_single": ("all_to_all", 4),
+    "all_to_all_single": ("all_to_all", 4),  # MoE dispatch; the TP/SP reduce-scatter on gloo (parallel/tensor.py)
 }
 
 
@@ -141,7 +141,7 @@ class Counter:
             return
         if kind == "all_gather" and lists:  # all_gather(list_of_outputs, tensor)
             payload = sum(t.numel() * t.element_size() for t in lists[0])
-        elif kind == "reduce_scatter" or kind == "all_gather":
+        elif kind in ("reduce_scatter", "all_gather", "all_to_all"):
             payload = max(t.numel() * t.element_size() for t in tensors)  # the full-size side
         else:
             payload = tensors[0].numel() * tensors[0].element_size()

@@ -1,128 +1,296 @@
-"""Benchmark: tricorn's trainer at TP=PP=DP=1 against a bare PyTorch loop of the same model math.
+"""Benchmark: the trainer's step overhead, against a bare PyTorch loop and against forward+backward alone.
 
-Both sides train the same model (same init) on the same tokens, one after the
-other in this process, and the script prints tokens/s of each and the ratio
-(goal >= 0.97). Each side's time is the median iteration over several
-alternating repeats, on one thread, so that a busy machine hits both alike.
-It also prints the host reads (device synchronisations, tricorn.host_reads) per
-iteration of each side after the first: the bare loop reads its loss every
-iteration; the trainer reads once per --log-interval (10 here).
-Not a test: CI never times anything.
+One process (default), the same model (Llama: 4 layers, hidden 256, 8 heads, 2 key/value heads, SwiGLU,
+seq 256, fp32, micro batch 4, 2 microbatches) and the same tokens on three sides, which take turns
+iteration by iteration so that a busy machine hits them alike:
+
+    trainer   Trainer.run_iteration (and its log line when due) at TP=PP=DP=1
+    bare      the same math with nothing around it: model, AdamW (the trainer's implementation: fused
+              where torch has it), clip, LR schedule
+    fwd+bwd   forward and backward of the same microbatches alone (gradients set to None before each)
+
+It prints tokens/s of each (median and best), the trainer's tokens/s over the bare loop's, and the
+trainer's step time over forward+backward (goal <= 1.03), both as medians of the per-round ratios
+(each round's three iterations ran within a few seconds of each other). Then the AdamW step alone on this
+model's parameters, foreach against fused, and the trainer's whole Optimizer.step() (norm, clip, AdamW);
+then host reads (device synchronisations, tricorn.host_reads) per iteration after the first: the bare
+loop reads its loss every iteration, the trainer once per --log-interval (10).
 
     .venv/bin/python bench/overhead.py [--iters 20] [--hidden 256] [--layers 4] [--seq 256]
+    .venv/bin/python bench/overhead.py --tp 2 --sp    # 2 ranks: TP2+SP tokens/s over TP2 (goal >= 0.95)
+
+With --tp N the script starts N ranks of itself (gloo, one thread each); each rank builds a TP=N trainer
+and, with --sp, a TP=N sequence-parallel one beside it, and the two alternate iteration by iteration.
+Times are wall clock (a 2-core machine shared with others is noisy: read the min and median together).
+Not a test: CI never times anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from typing import Optional
 
 import torch
 
-from tricorn.config import config_from_args
-from tricorn.host_reads import HostReadCounter
-from tricorn.model import GPTModel
-from tricorn.parallel.optimizer import param_groups
-from tricorn.parallel.state import destroy_parallel, init_parallel
-from tricorn.training.logging import MetricsLogger
-from tricorn.training.lr_schedule import learning_rate
-from tricorn.training.main import build_trainer
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from recompute import raise_malloc_thresholds  # noqa: E402
+
+from tricorn.config import Config, config_from_args  # noqa: E402
+from tricorn.host_reads import HostReadCounter  # noqa: E402
+from tricorn.model import GPTModel  # noqa: E402
+from tricorn.parallel.optimizer import param_groups  # noqa: E402
+from tricorn.parallel.shard_state import adamw_kind  # noqa: E402
+from tricorn.parallel.state import destroy_parallel, init_parallel  # noqa: E402
+from tricorn.training.logging import MetricsLogger  # noqa: E402
+from tricorn.training.lr_schedule import learning_rate  # noqa: E402
+from tricorn.training.main import build_trainer  # noqa: E402
 
 
-def bare_loop(cfg, batches, reads: Optional[list] = None) -> list[float]:
-    """The same math with nothing around it: model, AdamW, clip, LR schedule."""
-    model = GPTModel(cfg.model)
-    model.init_weights(cfg.training.seed)
-    t = cfg.training
-    opt = torch.optim.AdamW(
-        param_groups([model], t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, foreach=True
-    )
-    mbs = t.micro_batch_size
-    times = []
-    for it, batch in enumerate(batches, start=1):
-        counter = HostReadCounter([s["step"] for s in opt.state.values()])  # CPU step counters by design
-        start = time.perf_counter()
-        if reads is not None and it > 1:
-            counter.__enter__()
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(t, it)
-        opt.zero_grad(set_to_none=True)
-        n = batch.loss_mask.sum()
-        for i in range(len(batch) // mbs):
-            mb = batch.slice(i * mbs, (i + 1) * mbs)
-            loss = (model(mb.tokens, mb.labels) * mb.loss_mask).sum() / n
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad, foreach=True)
-        opt.step()
-        loss.item()
-        if reads is not None and it > 1:
-            counter.__exit__(None, None, None)
-            reads.append(counter.count)
-        times.append(time.perf_counter() - start)
-    return times[1:]  # the first iteration warms up allocators
-
-
-def trainer_loop(cfg, reads: Optional[list] = None) -> list[float]:
-    """Trainer.train()'s iteration and its log line (logger silent: rank 1), timed per iteration."""
-    state = init_parallel(cfg)
-    trainer, _ = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)
-    times = []
-    while trainer.iteration < cfg.training.train_iters:
-        counter = HostReadCounter(trainer.optimizer.host_scalars())
-        start = time.perf_counter()
-        if reads is not None and trainer.iteration >= 1:
-            counter.__enter__()
-        trainer.unlogged.append(trainer.run_iteration())
-        if trainer.logs_at(trainer.iteration):
-            trainer.log(trainer.unlogged[-1])
-        if reads is not None and trainer.iteration > 1:
-            counter.__exit__(None, None, None)
-            reads.append(counter.count)
-        times.append(time.perf_counter() - start)
-    destroy_parallel()
-    return times[1:]
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+def config(args: argparse.Namespace, world: int, extra: str = "") -> Config:
     argv = (
         f"--device cpu --mock-data --num-layers {args.layers} --hidden-size {args.hidden} --num-attention-heads 8 "
-        f"--seq-length {args.seq} --micro-batch-size 4 --global-batch-size 8 --train-iters {args.iters} "
-        f"--vocab-size 8000 --swiglu --disable-bias-linear --lr 1e-4 --log-interval 10"
+        f"--group-query-attention --num-query-groups 2 --seq-length {args.seq} --micro-batch-size 4 "
+        f"--global-batch-size 8 --train-iters {10**6} --vocab-size 8000 --swiglu --disable-bias-linear "
+        f"--lr 1e-4 --log-interval 10 {extra}"
     ).split()
-    cfg = config_from_args(argv, world_size=1)
+    return config_from_args(argv, world_size=world)
+
+
+def batches(cfg: Config, n: int) -> list:
     from tricorn.data.base import GlobalBatchLoader, MockSamples
 
     loader = GlobalBatchLoader(MockSamples(cfg.model.vocab_size, cfg.model.seq_length, cfg.training.seed), 0, 1)
-    batches = [loader.next(cfg.training.global_batch_size) for _ in range(args.iters)]
-    torch.set_num_threads(1)
+    return [loader.next(cfg.training.global_batch_size) for _ in range(n)]
+
+
+def _microbatches(cfg: Config, batch) -> list:
+    mbs = cfg.training.micro_batch_size
+    return [batch.slice(i * mbs, (i + 1) * mbs) for i in range(len(batch) // mbs)]
+
+
+def _model(cfg: Config) -> GPTModel:
+    model = GPTModel(cfg.model)
+    model.init_weights(cfg.training.seed)
+    return model
+
+
+def _adamw(params, cfg: Config, kind: dict) -> torch.optim.AdamW:
+    t = cfg.training
+    return torch.optim.AdamW(params, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, **kind)
+
+
+class Bare:
+    """The same math with nothing around it: model, AdamW, clip, LR schedule; reads its loss every iteration."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.model = _model(cfg)
+        self.opt = _adamw(param_groups([self.model], cfg.training.weight_decay), cfg, adamw_kind(torch.device("cpu")))
+        self.iteration = 0
+
+    def step(self, batch) -> None:
+        t = self.cfg.training
+        self.iteration += 1
+        for group in self.opt.param_groups:
+            group["lr"] = learning_rate(t, self.iteration)
+        self.opt.zero_grad(set_to_none=True)
+        n = batch.loss_mask.sum()
+        for mb in _microbatches(self.cfg, batch):
+            loss = (self.model(mb.tokens, mb.labels) * mb.loss_mask).sum() / n
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.clip_grad, foreach=True)
+        self.opt.step()
+        loss.item()
+
+    def host_scalars(self) -> list[torch.Tensor]:
+        return [s["step"] for s in self.opt.state.values()]
+
+
+class ForwardBackward:
+    """Forward and backward of the microbatches alone: the floor a step's time is compared with."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.model = _model(cfg)
+
+    def step(self, batch) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+        n = batch.loss_mask.sum()
+        for mb in _microbatches(self.cfg, batch):
+            ((self.model(mb.tokens, mb.labels) * mb.loss_mask).sum() / n).backward()
+
+
+class TrainerSide:
+    """Trainer.train()'s iteration and its log line (logger silent: rank 1); Optimizer.step() timed apart."""
+
+    def __init__(self, cfg: Config):
+        self.state = init_parallel(cfg)
+        self.trainer, _ = build_trainer(cfg, self.state, MetricsLogger(cfg, rank=1), with_validation=False)
+        self.optimizer_seconds: list[float] = []
+        opt = self.trainer.optimizer
+        inner = opt.step
+
+        def timed_step():
+            start = time.perf_counter()
+            out = inner()
+            self.optimizer_seconds.append(time.perf_counter() - start)
+            return out
+
+        opt.step = timed_step
+
+    def step(self, _batch=None) -> None:
+        t = self.trainer
+        t.unlogged.append(t.run_iteration())
+        if t.logs_at(t.iteration):
+            t.log(t.unlogged[-1])
+
+    def host_scalars(self) -> list[torch.Tensor]:
+        return self.trainer.optimizer.host_scalars()
+
+
+def interleave(sides: dict[str, Callable], batches: list, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per iteration of each side; the sides take turns iteration by iteration (first `warmup` dropped)."""
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for i, batch in enumerate(batches):
+        order = list(sides.items())
+        if i % 2:  # alternate who goes first: a side never always follows the same one
+            order.reverse()
+        for name, step in order:
+            start = time.perf_counter()
+            step(batch)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def paired_ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of a[i] / b[i]: each pair ran in the same round."""
+    ratios = [x / y for x, y in zip(a, b)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def print_sides(times: dict[str, list[float]], tokens: int) -> None:
+    print(f"{'side':<14}{'tokens/s med':>14}{'tokens/s best':>15}{'ms/iter med':>13}{'ms/iter min':>13}")
+    for name, t in times.items():
+        med, best = statistics.median(t), min(t)
+        print(f"{name:<14}{tokens / med:>14.0f}{tokens / best:>15.0f}{1000 * med:>13.1f}{1000 * best:>13.1f}")
+
+
+def optimizer_step_times(cfg: Config, rounds: int = 15) -> dict[str, list[float]]:
+    """AdamW.step() alone on this model's parameters with random gradients: foreach vs fused, interleaved."""
+    opts = {}
+    for name, kind in (("foreach", {"foreach": True}), ("fused", {"fused": True})):
+        params = [p.detach().clone().requires_grad_() for p in _model(cfg).parameters()]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opts[name] = _adamw(params, cfg, kind)
+    return interleave({name: (lambda _b, o=o: o.step()) for name, o in opts.items()}, [None] * (rounds + 1))
+
+
+def host_reads(side, batches: list) -> list[int]:
+    """Host reads per iteration, after the first (which builds state)."""
+    reads = []
+    for i, batch in enumerate(batches):
+        counter = HostReadCounter(side.host_scalars())
+        with counter if i else HostReadCounter():
+            side.step(batch)
+        if i:
+            reads.append(counter.count)
+    return reads
+
+
+def single_process(args: argparse.Namespace) -> None:
+    cfg = config(args, world=1)
+    data = batches(cfg, args.iters + 1)
     tokens = cfg.training.global_batch_size * cfg.model.seq_length
-    bare, ours = [], []
-    for _ in range(args.repeats):  # alternate so that machine noise hits both sides
-        bare += bare_loop(cfg, batches)
-        ours += trainer_loop(cfg)
-    bare_s, ours_s = statistics.median(bare), statistics.median(ours)
-    print(f"{'side':<10}{'tokens/s':>12}{'ms/iter':>10}")
-    print(f"{'bare':<10}{tokens / bare_s:>12.0f}{1000 * bare_s:>10.1f}")
-    print(f"{'tricorn':<10}{tokens / ours_s:>12.0f}{1000 * ours_s:>10.1f}")
-    print(f"ratio tricorn/bare = {bare_s / ours_s:.3f} (goal >= 0.97)")
-    bare_reads, our_reads = [], []
-    bare_loop(cfg, batches, bare_reads)
-    trainer_loop(cfg, our_reads)
+    trainer, bare, alone = TrainerSide(cfg), Bare(cfg), ForwardBackward(cfg)
+    times = interleave({"trainer": trainer.step, "bare": bare.step, "fwd+bwd": alone.step}, data)
+    print(
+        f"overhead bench: {args.layers} layers, h {args.hidden}, 8 heads (2 kv), seq {args.seq}, fp32, "
+        f"mbs 4 x 2 microbatches, 1 thread, {args.iters} rounds"
+    )
+    print_sides(times, tokens)
+    med, lo, hi = paired_ratio(times["bare"], times["trainer"])
+    print(f"tokens/s trainer / bare       = {med:.3f} median of rounds (min {lo:.3f}, max {hi:.3f})")
+    med, lo, hi = paired_ratio(times["trainer"], times["fwd+bwd"])
+    best = min(times["trainer"]) / min(times["fwd+bwd"])
+    print(
+        f"step trainer / (fwd+bwd)      = {med:.3f} median of rounds (min {lo:.3f}, max {hi:.3f}; best/best {best:.3f}; goal <= 1.03)"
+    )
+    opt = optimizer_step_times(cfg)
+    n = sum(p.numel() for p in alone.model.parameters())
+    line = ", ".join(f"{k} {1000 * statistics.median(v):.2f} (min {1000 * min(v):.2f})" for k, v in opt.items())
+    print(f"AdamW step alone, {n / 1e6:.2f}M params, ms median: {line}")
+    o = trainer.optimizer_seconds[1:]
+    print(f"trainer Optimizer.step() (norm, clip, AdamW) ms: median {1000 * statistics.median(o):.2f}, min {1000 * min(o):.2f}")
+    extra = batches(cfg, 12)
+    bare_reads, our_reads = host_reads(bare, extra), host_reads(trainer, extra)
     print(
         f"host reads per iteration: bare {sum(bare_reads) / len(bare_reads):.2f} (max {max(bare_reads)}), "
-        f"tricorn {sum(our_reads) / len(our_reads):.2f} (max {max(our_reads)}, "
+        f"trainer {sum(our_reads) / len(our_reads):.2f} (max {max(our_reads)}, "
         f"{sum(1 for n in our_reads if n == 0)} of {len(our_reads)} iterations with none)"
     )
+    destroy_parallel()
+
+
+def tp_worker(args: argparse.Namespace) -> None:
+    """One rank of --tp N: TP=N (and TP=N with SP) trainers in the same process groups, alternating."""
+    tp = f"--tensor-model-parallel-size {args.tp}"
+    layouts = {f"tp{args.tp}": tp} | ({f"tp{args.tp}+sp": tp + " --sequence-parallel"} if args.sp else {})
+    sides = {name: TrainerSide(config(args, args.tp, flags)) for name, flags in layouts.items()}
+    times = interleave({name: side.step for name, side in sides.items()}, [None] * (args.iters + 1))
+    if int(os.environ["RANK"]) == 0:
+        tokens = 8 * args.seq
+        print(
+            f"overhead bench, {args.tp} ranks: {args.layers} layers, h {args.hidden}, seq {args.seq}, fp32, {args.iters} rounds"
+        )
+        print_sides(times, tokens)
+        if args.sp:
+            med, lo, hi = paired_ratio(*times.values())
+            print(
+                f"tokens/s tp{args.tp}+sp / tp{args.tp} = {med:.3f} median of rounds (min {lo:.3f}, max {hi:.3f}; goal >= 0.95)"
+            )
+    destroy_parallel(clean_exit=True)
+
+
+def launch_ranks(args: argparse.Namespace) -> int:
+    with socket.socket() as s:  # a free rendezvous port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": str(args.tp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, *sys.argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(args.tp)
+    ]
+    return max(p.wait() for p in procs)
+
+
+def main() -> Optional[int]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=20, help="rounds (each side runs one iteration per round)")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (started by this script)")
+    ap.add_argument("--sp", action="store_true", help="with --tp: also a sequence-parallel trainer, and the ratio")
+    args = ap.parse_args()
+    raise_malloc_thresholds()
+    torch.set_num_threads(1)
+    if args.tp == 1:
+        single_process(args)
+    elif "RANK" not in os.environ:
+        return launch_ranks(args)
+    else:
+        tp_worker(args)
+    return None
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

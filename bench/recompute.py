@@ -81,6 +81,12 @@ def megatron_target(cfg: ModelConfig, args: argparse.Namespace) -> float:
 _MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**34), "MALLOC_TRIM_THRESHOLD_": str(2**34)}
 
 
+def raise_malloc_thresholds() -> None:
+    """Re-execute this script with glibc's mmap/trim thresholds raised (see the module docstring)."""
+    if any(k not in os.environ for k in _MALLOC):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_MALLOC})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=512)
@@ -92,8 +98,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: least noise on a shared machine)")
     args = ap.parse_args()
-    if any(k not in os.environ for k in _MALLOC):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_MALLOC})
+    raise_malloc_thresholds()
     torch.set_num_threads(args.threads)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=torch.Generator().manual_seed(0))
     runs = {mode: build(args, mode) for mode in MODES}

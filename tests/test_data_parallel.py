@@ -1,15 +1,21 @@
-"""DDP gradient buckets: bucket planning, overlap of the reduction with backward, and equivalence to one process."""
+"""DDP gradient buckets: bucket planning and sizing, gradients accumulated in the buffers in place, overlap of the
+reduction with backward, and equivalence to one process."""
 
+import copy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from distopt_common import MBS1, reference_extra
 from harness import BASE_FLAGS, assert_equivalent, run_script
 from torch import nn
 
-from tricorn.config import config_from_args
-from tricorn.parallel.data_parallel import dp_options, plan_param_buckets
+from tricorn.config import MIN_BUCKET_ELEMENTS, ModelConfig, config_from_args, default_bucket_elements
+from tricorn.model import GPTModel
+from tricorn.parallel.data_parallel import Bucket, DataParallel, DPOptions, dp_options, plan_param_buckets
+from tricorn.planning.memory import Layout
 from tricorn.validation import validate
 
 WORKER = Path(__file__).parent / "workers" / "dist_opt.py"
@@ -30,6 +36,98 @@ def test_one_dtype_per_bucket_and_lone_params():
     buckets = plan_param_buckets(params, bucket_size=1000, alone=lambda p: p is params[0])
     index = {id(p): i for i, p in enumerate(params)}
     assert [[index[id(p)] for p in b] for b in buckets] == [[4, 3], [2], [1], [0]]
+
+
+def test_default_bucket_size_cuts_a_multi_layer_model():
+    """Megatron's max(40M, 1M x DP) for big models, at most a quarter of a smaller chunk (so --overlap-grad-reduce
+    has buckets to overlap), never below 1M elements; the memory estimator sizes buckets the same way."""
+    assert default_bucket_elements(dp=8, chunk_params=6_700_000_000 // 8) == 40_000_000  # 7B, DP 8: Megatron's
+    assert default_bucket_elements(dp=64, chunk_params=10**9) == 64_000_000
+    assert default_bucket_elements(dp=1, chunk_params=200_000) == MIN_BUCKET_ELEMENTS  # tiny: one bucket
+    model = GPTModel(
+        ModelConfig(
+            num_layers=4,
+            hidden_size=256,
+            num_attention_heads=8,
+            group_query_attention=True,
+            num_query_groups=2,
+            swiglu=True,
+            seq_length=256,
+            vocab_size=8000,
+            disable_bias_linear=True,
+        )
+    )
+    params = list(model.parameters())
+    size = default_bucket_elements(1, sum(p.numel() for p in params))
+    assert len(plan_param_buckets(params, size, alone=lambda p: False)) >= 4  # bench/overhead.py's model, 5.9M parameters
+    assert Layout(dp=2, cp=2).bucket_elements(10**8) == default_bucket_elements(4, 10**8)
+    assert Layout(dp=2, ddp_bucket_elements=123).bucket_elements(10**8) == 123
+
+
+@pytest.fixture
+def one_rank():
+    """A gloo group of this one process: DataParallel's state (its reductions send nothing)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield SimpleNamespace(dp_cp_group=dist.group.WORLD, device=torch.device("cpu"), embedding_group=None)
+    dist.destroy_process_group()
+
+
+class _Net(nn.Module):
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.a = nn.Linear(8, 8, bias=False, dtype=dtype)
+        self.b = nn.Linear(8, 8, dtype=dtype)
+        self.unused = nn.Parameter(torch.ones(3, dtype=dtype))  # gets no gradient: its slot must read 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize(
+    "dtype, stage", [(torch.float32, 0), (torch.float32, 1), (torch.bfloat16, 0), (torch.float32, 2)], ids=str
+)
+def test_gradients_land_in_the_buffers_without_a_zeroing_pass(one_rank, monkeypatch, dtype, stage):
+    """Buffers full of garbage (NaN) before each iteration still give exactly a plain model's gradients summed
+    over 2 microbatches in fp32: each slot's first gradient is written, later ones added, unused slots zeroed.
+    fp32 parameters (stages 0-1) then have p.grad = their buffer slot, into which autograd accumulates."""
+    fresh = Bucket.grad_accumulator
+
+    def garbage(bucket: Bucket) -> torch.Tensor:  # ZeRO-2's transient buffer comes from torch.empty: stale bytes
+        new = bucket.grad_flat is None
+        out = fresh(bucket)
+        if new:
+            out[: bucket.slots[-1].end].fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(Bucket, "grad_accumulator", garbage)
+    torch.manual_seed(0)
+    model = _Net(dtype)
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, one_rank, DPOptions(stage=stage, bucket_size=70))  # 64 + 8 + 8 + 3: two buckets
+    assert len(dp.buckets) == 2
+    for _ in range(2):
+        dp.zero_grad()
+        for p in model.parameters():
+            p.grad = None  # as Optimizer.zero_grad
+        for b in dp.buckets:
+            if b.grad_flat is not None:  # stages 0-1: whatever the last iteration left (ZeRO-1: partial sums)
+                b.grad_flat[: b.slots[-1].end].fill_(float("nan"))
+        want = {n: torch.zeros(p.shape) for n, p in ref.named_parameters()}
+        for i in range(2):
+            x = torch.randn(4, 8, dtype=dtype)
+            with dp.microbatch(is_last=i == 1):
+                model(x).sum().backward()
+            ref.zero_grad()
+            ref(x).sum().backward()
+            for n, p in ref.named_parameters():
+                want[n] += p.grad.float() if p.grad is not None else 0.0
+        dp.finish_grad_sync()
+        owned = dp.owned_grads()
+        for n, p in model.named_parameters():
+            # The same kernels on the same inputs, and the same fp32 sum of two microbatches: equal bits.
+            assert torch.equal(owned[id(p)].float(), want[n].reshape(-1)), n
+            in_place = stage < 2 and dtype == torch.float32 and n != "unused"
+            assert (p.grad is not None and p.grad.data_ptr() == owned[id(p)].data_ptr()) == in_place, n
 
 
 @pytest.mark.parametrize(

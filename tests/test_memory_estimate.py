@@ -171,7 +171,7 @@ def test_formula_matches_tricorn_block_saved_tensors(precision: str, shape: dict
     m = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=128, vocab_size=256, **shape)
     block = TransformerBlock(m, local_spec()).to(dtype).train()
     rotary = Rotary(m.head_dim, m.max_positions, m.rotary_base)
-    x = torch.randn(2, 128, 64, dtype=dtype, requires_grad=True)
+    x = torch.randn(128, 2, 64, dtype=dtype, requires_grad=True)  # hidden states are sequence-first: [s, b, h]
     with ActivationProbe([block]) as probe:  # the whole block is one chunk: its saved bytes are "other"
         block(x, rotary, torch.arange(128))
     measured = probe.summary().activation_bytes_other

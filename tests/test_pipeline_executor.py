@@ -29,12 +29,13 @@ def test_executor_equals_one_process_and_follows_the_simulator(nproc):
 
 
 def test_stage_boundary_shape_follows_cp_and_sequence_parallel():
+    """[local sequence, micro batch, hidden]: hidden states are sequence-first."""
     pp2 = "--pipeline-model-parallel-size 2 --micro-batch-size 3"
-    assert activation_shape(_cfg(pp2, 2)) == (3, 16, 32)
-    assert activation_shape(_cfg(pp2 + " --context-parallel-size 2", 4)) == (3, 8, 32)
-    assert activation_shape(_cfg(pp2 + " --tensor-model-parallel-size 2", 4)) == (3, 16, 32)
+    assert activation_shape(_cfg(pp2, 2)) == (16, 3, 32)
+    assert activation_shape(_cfg(pp2 + " --context-parallel-size 2", 4)) == (8, 3, 32)
+    assert activation_shape(_cfg(pp2 + " --tensor-model-parallel-size 2", 4)) == (16, 3, 32)
     sp = pp2 + " --tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2"
-    assert activation_shape(_cfg(sp, 8)) == (3, 4, 32)
+    assert activation_shape(_cfg(sp, 8)) == (4, 3, 32)
     assert wire_dtype(_cfg(pp2, 2)) is torch.float32
     assert wire_dtype(_cfg(pp2 + " --bf16", 2)) is torch.bfloat16
 

@@ -13,6 +13,12 @@ def test_layers_match_torch(nproc):
     assert "ok" in run_script(WORKERS / "tp_layers.py", nproc)
 
 
+def test_sp_and_cp_collectives_copy_nothing():
+    """Sequence-first tensors: no transposing copy around the SP and CP collectives, no clone before a TP
+    all-reduce (tests/workers/tp_copies.py counts aten copy_ and clone outside the collectives)."""
+    assert "ok" in run_script(WORKERS / "tp_copies.py", 2)
+
+
 LAYOUTS = {
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
     "tp4": (4, ["--tensor-model-parallel-size", "4"]),

@@ -170,7 +170,9 @@ class ParallelConfig:
     zero_stage: int = _f(1, "ZeRO stage with --use-distributed-optimizer.", choices=[1, 2, 3])
     overlap_grad_reduce: bool = _f(False, "Overlap the DP gradient reduction with backward.")
     overlap_param_gather: bool = _f(False, "Overlap the distributed optimizer's parameter all-gather with forward.")
-    ddp_bucket_size: Optional[int] = _f(None, "Elements per DP gradient bucket (default: max(40M, 1M*DP)).", bound=AT_LEAST_1)
+    ddp_bucket_size: Optional[int] = _f(
+        None, "Elements per DP gradient bucket (default: max(40M, 1M*DP), at most 1/8 of the model chunk).", bound=AT_LEAST_1
+    )
     grad_reduce_in_bf16: bool = _f(False, "Reduce gradients in bf16 instead of fp32.")
     optimizer_cpu_offload: bool = _f(False, "Keep master weights and optimizer state on CPU and step there.")
     distributed_timeout_minutes: int = _f(10, "Timeout of collectives; a dead peer becomes an error.", bound=AT_LEAST_1)
@@ -579,13 +581,22 @@ def default_device() -> str:
 
 
 def _resolve_defaults(cfg: Config) -> None:
-    t, p = cfg.training, cfg.parallel
+    t = cfg.training
     if t.global_batch_size is None and cfg.data_parallel_size > 0:
         t.global_batch_size = t.micro_batch_size * cfg.data_parallel_size
     if t.lr_decay_iters is None:
         t.lr_decay_iters = t.train_iters
-    if p.ddp_bucket_size is None:
-        p.ddp_bucket_size = max(40_000_000, 1_000_000 * max(cfg.data_parallel_size, 1))
+
+
+MIN_BUCKET_ELEMENTS = 1_000_000  # below this a bucket's collective is mostly latency
+
+
+def default_bucket_elements(dp: int, chunk_params: int) -> int:
+    """--ddp-bucket-size's default for a model chunk of `chunk_params` trainable parameters: Megatron's
+    max(40M, 1M x DP), but at most an eighth of the chunk (and not below MIN_BUCKET_ELEMENTS), so that a chunk of
+    several layers is cut into several buckets and --overlap-grad-reduce overlaps all but the last one (which
+    holds the embedding, whose gradient comes last) with backward. A chunk over 320M parameters gets Megatron's."""
+    return min(max(40_000_000, 1_000_000 * max(dp, 1)), max(MIN_BUCKET_ELEMENTS, -(-chunk_params // 8)))
 
 
 def dump_yaml(cfg: Config) -> str:

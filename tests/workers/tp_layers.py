@@ -47,10 +47,10 @@ def check(name, got, want):
 
 
 b, s, h, out = 2, 8, 16, 12
-x_full = torch.randn(b, s, h)
+x_full = torch.randn(s, b, h)  # hidden states are sequence-first: SP shards dim 0
 w_col, bias_col = torch.randn(out, h), torch.randn(out)
 w_row, bias_row = torch.randn(h, out), torch.randn(h)
-grad_out = torch.randn(b, s, h)
+grad_out = torch.randn(s, b, h)
 
 for sp in (False, True):
     col = ColumnParallelLinear(h, out, bias=True, group=group, sequence_parallel=sp)
@@ -61,14 +61,14 @@ for sp in (False, True):
         row.weight.copy_(shard(w_row, 1))
         row.bias.copy_(bias_row)
     assert shard_info(col.weight).full_size == out and shard_info(row.weight).dim == 1
-    x = (shard(x_full, 1) if sp else x_full.clone()).requires_grad_()
+    x = (shard(x_full, 0) if sp else x_full.clone()).requires_grad_()
     y = row(col(x))
     y_ref_in = x_full.clone().requires_grad_()
     y_ref = F.linear(F.linear(y_ref_in, w_col, bias_col), w_row, bias_row)
     check(f"column->row forward sp={sp}", gather_from_sequence(y, group) if sp else y, y_ref)
-    y.backward(shard(grad_out, 1) if sp else grad_out)
+    y.backward(shard(grad_out, 0) if sp else grad_out)
     y_ref.backward(grad_out)
-    check(f"input grad sp={sp}", x.grad, shard(y_ref_in.grad, 1) if sp else y_ref_in.grad)
+    check(f"input grad sp={sp}", x.grad, shard(y_ref_in.grad, 0) if sp else y_ref_in.grad)
     w_ref = w_col.clone().requires_grad_()
     F.linear(F.linear(x_full, w_ref, bias_col), w_row, bias_row).backward(grad_out)
     check(f"column weight grad sp={sp}", col.weight.grad, shard(w_ref.grad, 0))
@@ -83,7 +83,7 @@ table = torch.randn(vocab, h)
 emb = VocabParallelEmbedding(padded, h, group=group, sequence_parallel=False, vocab_size=vocab)
 with torch.no_grad():
     emb.weight.copy_(vocab_shard(table, padded))
-tokens = torch.randint(0, vocab, (b, s))
+tokens = torch.randint(0, vocab, (s, b))
 ref_table = table.clone().requires_grad_()
 check("embedding forward", emb(tokens), F.embedding(tokens, ref_table))
 emb(tokens).backward(grad_out)
@@ -94,13 +94,13 @@ check("embedding grad", emb.weight.grad, vocab_shard(ref_table.grad, padded))
 head = ParallelHead(h, padded, tied=False, group=group, sequence_parallel=False, vocab_size=vocab)
 with torch.no_grad():
     head.weight.copy_(vocab_shard(table, padded))
-labels = torch.randint(0, vocab, (b, s))
+labels = torch.randint(0, vocab, (s, b))
 xh = x_full.clone().requires_grad_()
 loss = vocab_parallel_cross_entropy(head(xh), labels, vocab, group)
 xr = x_full.clone().requires_grad_()
-ref = F.cross_entropy(F.linear(xr, table).flatten(0, 1), labels.flatten(), reduction="none").view(b, s)
+ref = F.cross_entropy(F.linear(xr, table).flatten(0, 1), labels.flatten(), reduction="none").view(s, b)
 check("cross entropy", loss, ref)
-g = torch.rand(b, s)
+g = torch.rand(s, b)
 loss.backward(g)
 ref.backward(g)
 check("cross entropy input grad", xh.grad, xr.grad)

@@ -76,15 +76,15 @@ class _KeepAndScale(torch.autograd.Function):
 
 
 def hidden_dropout(x: torch.Tensor, p: float, key: DropoutKey, rows: torch.Tensor) -> torch.Tensor:
-    """Dropout of hidden states [b, s_local, h] whose local rows sit at global positions `rows`."""
+    """Dropout of hidden states [b, s_local, h] whose local rows sit at global positions `rows`.
+
+    `x` may be a view of other memory order (the decoder passes its sequence-first states transposed): the
+    mask is laid out like x, so the product keeps that order and costs no copy."""
     if len(key.sample_ids) != x.shape[0]:
         raise ValueError(f"dropout got {len(key.sample_ids)} sample ids for a microbatch of {x.shape[0]}")
-    keep = torch.stack(
-        [
-            torch.rand(key.seq_length, x.shape[-1], generator=key.generator(sid, x.device), device=x.device)[rows] >= p
-            for sid in key.sample_ids
-        ]
-    )
+    keep = torch.empty_like(x, dtype=torch.bool)
+    for i, sid in enumerate(key.sample_ids):
+        keep[i] = torch.rand(key.seq_length, x.shape[-1], generator=key.generator(sid, x.device), device=x.device)[rows] >= p
     return _KeepAndScale.apply(x, keep, 1.0 / (1.0 - p))
 
 

@@ -97,8 +97,8 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin().float().to(device), persistent=False)
 
     def rows(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows [s, 1, d] for activations [b, s, heads, d] of `dtype`."""
-        return self.cos[position_ids].to(dtype).unsqueeze(1), self.sin[position_ids].to(dtype).unsqueeze(1)
+        """cos and sin rows [s, 1, 1, d] for sequence-first activations [s, b, heads, d] of `dtype`."""
+        return self.cos[position_ids].to(dtype)[:, None, None], self.sin[position_ids].to(dtype)[:, None, None]
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """x: [b, heads, s, d]; position_ids: [s]. (The decoder uses ``rows`` with lean.split_qkv_rope.)"""

@@ -73,7 +73,7 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ep
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """x rotated by +angle (sign 1) or -angle (sign -1, the transpose): rotate-half convention, [b, s, heads, d]."""
+    """x rotated by +angle (sign 1) or -angle (sign -1, the transpose): rotate-half convention, [s, b, heads, d]."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * (sin if sign > 0 else -sin)
@@ -82,7 +82,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
 class _SplitQKVRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cos, sin, q_per_group: int):
-        # qkv: [b, s, groups, q_per_group + 2, d]; cos, sin: [s, 1, d] or None.
+        # qkv: [s, b, groups, q_per_group + 2, d]; cos, sin: [s, 1, 1, d] or None.
         q = qkv[:, :, :, :q_per_group].flatten(2, 3)
         k, v = qkv[:, :, :, q_per_group], qkv[:, :, :, q_per_group + 1]
         if cos is not None:
@@ -96,10 +96,10 @@ class _SplitQKVRope(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         if cos is not None:
             gq, gk = _rotate(gq, cos, sin, -1), _rotate(gk, cos, sin, -1)
-        b, s, groups, _, d = ctx.shape
+        s, b, groups, _, d = ctx.shape
         n = ctx.q_per_group
         grad = gq.new_empty(ctx.shape)
-        grad[:, :, :, :n] = gq.view(b, s, groups, n, d)
+        grad[:, :, :, :n] = gq.reshape(s, b, groups, n, d)
         grad[:, :, :, n] = gk
         grad[:, :, :, n + 1] = gv
         return grad, None, None, None
@@ -108,7 +108,7 @@ class _SplitQKVRope(torch.autograd.Function):
 def split_qkv_rope(
     qkv: torch.Tensor, q_per_group: int, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[b, s, groups, q_per_group + 2, d] -> q [b, s, heads, d], k and v [b, s, groups, d], RoPE'd when cos is given.
+    """[s, b, groups, q_per_group + 2, d] -> q [s, b, heads, d], k and v [s, b, groups, d], RoPE'd when cos is given.
 
     Three fresh tensors, so attention keeps exactly q, k and v and the fused QKV output is freed."""
     return _SplitQKVRope.apply(qkv, cos, sin, q_per_group)
@@ -176,7 +176,7 @@ class _CrossEntropy(torch.autograd.Function):
             lse[rows] = peak + chunk.sub_(peak.unsqueeze(-1)).exp_().sum(-1).log()
         target.masked_fill_(~mine, 0.0)
         if reduce_max is not None:  # combine the slices' log-sum-exps: lse = m + log sum_r exp(lse_r - m)
-            top = reduce_max(lse.clone())
+            top = reduce_max(lse.clone())  # a clone: the all-reduce is in place and this slice's lse is used below
             lse = top + reduce_sum((lse - top).exp()).log()
             target = reduce_sum(target)
         ctx.save_for_backward(logits, lse, local, mine)

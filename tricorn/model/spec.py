@@ -4,7 +4,8 @@ The decoder in transformer.py is written once against this spec. `local_spec()`
 gives plain single-process layers; tricorn.parallel swaps in tensor/sequence/
 context-parallel ones (and Transformer Engine ones) without the model knowing.
 
-Contract every implementation keeps (shapes are [batch, seq, features]):
+Contract every implementation keeps (hidden states are sequence-first, [seq, batch, features];
+token ids [seq, batch]):
 - column_linear(in, out, bias): takes the layer input as the model sees it and
   returns this rank's contiguous slice of the `out` features. The decoder lays
   out fused weights (QKV by query group, SwiGLU gate/up interleaved) so that a
@@ -15,10 +16,11 @@ Contract every implementation keeps (shapes are [batch, seq, features]):
   sequence shard directly, otherwise the decoder calls `sequence_scatter`.
 - output_head(dim, num_embeddings, tied): hidden -> (slice of) logits; with
   tied=True the forward receives the embedding weight.
-- cross_entropy(logits, labels, vocab_size) -> per-token fp32 loss, where
+- cross_entropy(logits, labels, vocab_size) -> per-token fp32 loss of labels' shape, where
   logit columns at or beyond vocab_size (padding) never count.
-- core_attention(q, k, v, dropout): [b, heads, s, d] causal attention; `dropout` is None or the
-  layer's AttentionDropout (dropout.py: masks drawn by global sample, head and position).
+- core_attention(q, k, v, dropout): [b, heads, s, d] causal attention (views of sequence-first
+  [s, b, heads, d] tensors; the output is best written in q's layout, as SDPA does); `dropout` is None
+  or the layer's AttentionDropout (dropout.py: masks drawn by global sample, head and position).
 - norm(dim): a norm module.
 - dropout_seed, tp_rank, sequence_shard_rank: what dropout.py needs to draw the same mask as one
   process would: the run seed, where this rank's heads start, which sequence shard it holds.

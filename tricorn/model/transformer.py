@@ -5,7 +5,12 @@
     attn:   fused QKV (grouped by key/value head), RoPE, causal SDPA, output projection
     mlp:    SwiGLU (gate and up fused, interleaved) or GeLU; or a mixture of experts (moe.py)
 
-Activations are [batch, seq, hidden]. Norms, softmax and the loss run in fp32.
+Hidden states are sequence-first, [seq, batch, hidden], as in Megatron: a sequence shard
+(sequence and context parallelism) is then one contiguous block, gathered and scattered
+without transposes. Token ids and labels come in as [batch, seq]; the loss and the logits
+go out as [batch, seq(, vocab)]. Attention sees [batch, heads, seq, head_dim] views of
+sequence-first q, k and v (SDPA writes its output in q's layout, so the output projection
+reads it without a copy). Norms, softmax and the loss run in fp32.
 
 The model takes every layer class from a LayerSpec (spec.py), so tensor,
 sequence and context parallelism plug in without a single collective here. A
@@ -63,14 +68,16 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rotary: Optional[Rotary], position_ids: torch.Tensor, sample_ids: Optional[Sequence[int]] = None
     ) -> torch.Tensor:
         qkv = self.wqkv(x)
-        b, s = qkv.shape[:2]
-        # [b, s, local groups, q_per_group + 2, d]: the group count is whatever slice this rank holds.
-        qkv = qkv.view(b, s, -1, self.q_per_group + 2, self.head_dim)
+        s, b = qkv.shape[:2]
+        # [s, b, local groups, q_per_group + 2, d]: the group count is whatever slice this rank holds.
+        qkv = qkv.view(s, b, -1, self.q_per_group + 2, self.head_dim)
         cos, sin = rotary.rows(position_ids, qkv.dtype) if rotary is not None else (None, None)
-        # q, k, v as separate tensors (RoPE'd): attention keeps exactly these, and the QKV output is freed.
-        q, k, v = (t.transpose(1, 2) for t in split_qkv_rope(qkv, self.q_per_group, cos, sin))
+        # q, k, v as separate [s, b, heads, d] tensors (RoPE'd): attention keeps exactly these, and the QKV
+        # output is freed. The core sees them as [b, heads, s, d] views.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in split_qkv_rope(qkv, self.q_per_group, cos, sin))
         out = self.spec.core_attention(q, k, v, self._dropout(sample_ids, b, local_heads=q.shape[1]))
-        return self.wo(out.transpose(1, 2).flatten(2))
+        # [b, heads, s, d] -> [s, b, heads * d]: a view when the kernel wrote q's layout (SDPA does).
+        return self.wo(out.permute(2, 0, 1, 3).flatten(2))
 
     def _dropout(self, sample_ids: Optional[Sequence[int]], batch: int, local_heads: int) -> Optional[AttentionDropout]:
         if not self.training or self.dropout_p == 0.0:
@@ -131,9 +138,10 @@ class TransformerBlock(nn.Module):
         # The branch output is this rank's sequence shard (SP) of the positions `position_ids` lists (CP).
         rows = position_ids.chunk(self.spec.sequence_shards)[self.spec.sequence_shard_rank]
         key = DropoutKey(
-            self.spec.dropout_seed, sample_ids_or_default(sample_ids, x.shape[0]), self.layer_id, site, self.seq_length
+            self.spec.dropout_seed, sample_ids_or_default(sample_ids, x.shape[1]), self.layer_id, site, self.seq_length
         )
-        return hidden_dropout(x, self.hidden_dropout, key, rows)
+        # hidden_dropout takes [b, s, h]: a transposed view, and its mask is drawn in x's own memory layout.
+        return hidden_dropout(x.transpose(0, 1), self.hidden_dropout, key, rows).transpose(0, 1)
 
     def forward(
         self, x: torch.Tensor, rotary: Optional[Rotary], position_ids: torch.Tensor, sample_ids: Optional[Sequence[int]] = None
@@ -215,14 +223,16 @@ class GPTModel(nn.Module):
     def forward(
         self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None, sample_ids: Optional[Sequence[int]] = None
     ) -> torch.Tensor:
-        """`sample_ids`: the global sample index of each row, which dropout masks are drawn by (dropout.py)."""
+        """`inputs`: token ids [b, s] on the first stage, else the previous stage's hidden states [s, b, h];
+        `labels` [b, s]; `sample_ids`: the global sample index of each row, which dropout masks are drawn by
+        (dropout.py). Returns hidden states [s, b, h], the per-token loss [b, s] or the logits [b, s, V]."""
         # Hidden states from a previous pipeline stage may be sequence-sharded; token ids never are.
-        seq = inputs.shape[1] * (1 if self.pre_process else self.spec.sequence_shards)
+        seq = inputs.shape[1] if self.pre_process else inputs.shape[0] * self.spec.sequence_shards
         position_ids = self._position_ids(seq, inputs.device)
         if self.pre_process:
-            x = self.tok_embeddings(inputs)
+            x = self.tok_embeddings(inputs.t().contiguous())  # sequence-first from here on
             if self.pos_embeddings is not None:
-                x = self.sequence_scatter(x + self.pos_embeddings(position_ids))
+                x = self.sequence_scatter(x + self.pos_embeddings(position_ids).unsqueeze(1))
         else:
             x = inputs
         for layer in self.layers.values():
@@ -233,5 +243,5 @@ class GPTModel(nn.Module):
         head_weight = self.tok_embeddings.weight if (self.tied and self.pre_process) else None
         logits = self.output(x, head_weight)
         if labels is None:
-            return logits
-        return self.spec.cross_entropy(logits, labels, self.vocab_size)
+            return logits.transpose(0, 1)
+        return self.spec.cross_entropy(logits, labels.t(), self.vocab_size).t()

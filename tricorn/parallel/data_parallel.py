@@ -2,12 +2,28 @@
 
 Per model chunk, the trainable parameters are packed in reverse registration
 order (roughly the order backward produces their gradients) into buckets of
-about --ddp-bucket-size elements, one dtype per bucket. Each parameter becomes
-a view of its bucket's flat parameter storage. A post-accumulate-grad hook adds
-each gradient into fp32 (or, with --grad-reduce-in-bf16, bf16) gradient
-storage and marks the parameter ready; once every parameter of a bucket is
-ready, the bucket's reduction may start (asynchronously, in bucket order, so all
-ranks issue the same collectives in the same order).
+about --ddp-bucket-size elements (default_bucket_elements), one dtype per
+bucket. Each parameter becomes a view of its bucket's flat parameter storage. A
+post-accumulate-grad hook puts each gradient into fp32 (or, with
+--grad-reduce-in-bf16, bf16) gradient storage and marks the parameter ready;
+once every parameter of a bucket is ready, the bucket's reduction may start
+(asynchronously, in bucket order, so all ranks issue the same collectives in the
+same order).
+
+Gradients land in the buffers in place, with no zeroing pass (Bucket.accumulate):
+a parameter's first gradient since its slot was emptied is written (copied) into
+the slot, and only later ones are added; slots that got no gradient are zeroed
+when their bucket is reduced. Where the parameter and the buffer have the same
+dtype (fp32, or 16-bit with --grad-reduce-in-bf16) and the buffer is persistent
+(stages 0-1), `param.grad` then IS the slot (torch DDP's gradient_as_bucket_view):
+autograd adds every later microbatch's gradient into the buffer itself, and the
+hook does nothing but bookkeeping. A 16-bit parameter with fp32 `main_grad` cannot
+have a dtype-matching view (autograd keeps .grad in the parameter's dtype), so its
+gradient is cast-copied, then added, into main_grad and freed: one pass over it
+per microbatch. Megatron removes that pass by fusing the accumulation into the
+weight-gradient GEMM (a CUDA kernel writing fp32 from bf16 inputs); torch has
+such a GEMM on CUDA only (mm/addmm with out_dtype), so on this CPU-tested code
+path the linears keep torch's autograd GEMM and the copy stays.
 
 Stages (Megatron's DDP + distributed optimizer, and ZeRO-2/3):
 
@@ -53,7 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tricorn.config import Config
+from tricorn.config import Config, default_bucket_elements
 from tricorn.model.init import InitSpec, is_expert, is_hollow
 from tricorn.parallel.buckets import plan_buckets
 from tricorn.parallel.grads import is_tied_copy, is_tied_embedding
@@ -68,7 +84,7 @@ MAX_REDUCING = 1
 @dataclass(frozen=True)
 class DPOptions:
     stage: int  # 0: DDP, 1: distributed optimizer, 2 and 3: ZeRO-2/3
-    bucket_size: int
+    bucket_size: Optional[int]  # elements; None: default_bucket_elements of each model chunk
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     grad_dtype: torch.dtype = torch.float32
@@ -87,7 +103,7 @@ def dp_options(cfg: Config) -> DPOptions:
     p = cfg.parallel
     return DPOptions(
         stage=p.zero_stage_in_effect,
-        bucket_size=int(p.ddp_bucket_size or 40_000_000),
+        bucket_size=p.ddp_bucket_size,
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather and p.zero_stage_in_effect >= 1,
         grad_dtype=torch.bfloat16 if p.grad_reduce_in_bf16 else torch.float32,
@@ -109,6 +125,8 @@ class Slot:
 
 class Bucket:
     """A contiguous run of parameters of one dtype whose gradients are reduced together."""
+
+    written: set[int]  # ids of the parameters whose slot holds a gradient since the buffer was last emptied
 
     def __init__(self, index: int, params: list[nn.Parameter], opts: DPOptions, group: dist.ProcessGroup):
         self.index = index
@@ -136,6 +154,7 @@ class Bucket:
         self.ready = False  # every gradient of this backward has arrived
         self.reduce_work: Optional[dist.Work] = None
         self.gather_work: Optional[dist.Work] = None
+        self.written = set()
 
     def arm(self) -> None:
         """Expect one gradient per parameter from the next backward."""
@@ -156,13 +175,40 @@ class Bucket:
         return self.grad_flat[self.lo : self.hi]
 
     def grad_accumulator(self) -> torch.Tensor:
-        """ZeRO-2/3: the bucket-sized gradient buffer of this microbatch, allocated on first use."""
+        """ZeRO-2/3: the bucket-sized gradient buffer of this microbatch, allocated on first use. Only its
+        padding is zeroed: every slot is written by its first gradient (or zeroed by zero_unwritten)."""
         if self.grad_flat is None:
-            self.grad_flat = torch.zeros(self.numel, dtype=self.grad_dtype, device=self.param_flat.device)
+            self.grad_flat = torch.empty(self.numel, dtype=self.grad_dtype, device=self.param_flat.device)
+            self.grad_flat[self.slots[-1].end :].zero_()
+            self.written = set()
         return self.grad_flat
+
+    def accumulate(self, slot: Slot, grad: torch.Tensor) -> torch.Tensor:
+        """Put `grad` into `slot`'s part of the gradient buffer and return that part (flat): written if it is
+        the slot's first gradient since the buffer was emptied, added otherwise, left alone when `grad` is
+        the slot itself (autograd already added into it: it accumulates into a set .grad in place whenever
+        grad mode is off, as in every backward here; nothing runs backward with create_graph)."""
+        buffer = self.grad_accumulator() if self.sharded_grads else self.grad_flat
+        dst = buffer[slot.offset : slot.end]
+        if id(slot.param) not in self.written:
+            dst.copy_(grad.reshape(-1))
+            self.written.add(id(slot.param))
+        elif grad.data_ptr() != dst.data_ptr():
+            dst.add_(grad.reshape(-1))
+        return dst
+
+    def zero_unwritten(self) -> None:
+        """Zero the slots no gradient was written into (a parameter unused this iteration), before a reduction."""
+        if self.grad_flat is None or len(self.written) == len(self.slots):
+            return
+        for s in self.slots:
+            if id(s.param) not in self.written:
+                self.grad_flat[s.offset : s.end].zero_()
+                self.written.add(id(s.param))
 
     def start_reduce(self) -> None:
         grads = self.grad_accumulator() if self.sharded_grads else self.grad_flat
+        self.zero_unwritten()
         if self.world == 1:
             return
         if self.distributed:  # in place: the owned shard of the input receives the sum
@@ -233,8 +279,9 @@ class DataParallel:
             # stages shard them identically and the embedding all-reduce can act on owned shards only.
             tied = {id(p) for n, p in named if is_tied_embedding(n) or is_tied_copy(p)}
             separate = opts.distributed and state.embedding_group is not None
+            size = opts.bucket_size or default_bucket_elements(dist.get_world_size(self.group), sum(p.numel() for p in params))
             # MoE experts sit alone too: their bucket reduces over the expert-DP group (expert.py).
-            groups = plan_param_buckets(params, opts.bucket_size, lambda p: (separate and id(p) in tied) or is_expert(p))
+            groups = plan_param_buckets(params, size, lambda p: (separate and id(p) in tied) or is_expert(p))
         self.buckets = [Bucket(i, g, opts, state.replica_group(is_expert(g[0]))) for i, g in enumerate(groups) if g]
         self.slot_of: dict[int, tuple[Bucket, Slot]] = {id(s.param): (b, s) for b in self.buckets for s in b.slots}
         if len(self.slot_of) != sum(len(b.slots) for b in self.buckets) or len(self.slot_of) != len(params):
@@ -338,11 +385,11 @@ class DataParallel:
         if self.inject_inf:
             grad.view(-1)[0] = float("inf")
             self.inject_inf = False
-        if self.opts.sharded_grads:
-            bucket.grad_accumulator()[slot.offset : slot.end].add_(grad.view(-1))
-        else:
-            p.main_grad.add_(grad)
-        p.grad = None
+        slot_grad = bucket.accumulate(slot, grad)
+        # Stages 0-1 with matching dtypes: the slot becomes p.grad, so autograd accumulates the next
+        # microbatches into it in place (Optimizer.zero_grad sets p.grad to None before the next iteration,
+        # whose first gradient is then written afresh). Otherwise the gradient is released now.
+        p.grad = slot_grad.view_as(p) if not self.opts.sharded_grads and slot_grad.dtype == p.dtype else None
         self.dirty = True
         bucket.pending.discard(id(p))
         if self.trace is not None:
@@ -396,6 +443,9 @@ class DataParallel:
         if self.dirty:
             self._launch(ready_only=False)
         self.wait_reductions()
+        if not self.opts.sharded_grads:
+            for b in self.buckets:  # a bucket no gradient reached this iteration was never reduced
+                b.zero_unwritten()
 
     def close(self) -> None:
         """Remove the gradient hooks. torch keeps a post-accumulate-grad hook in C++, out of the garbage
@@ -407,12 +457,13 @@ class DataParallel:
         self.on_bucket_ready = None
 
     def zero_grad(self) -> None:
+        """Empty the gradients for a new iteration: the owned shards (ZeRO-2/3) are zeroed, the full-size
+        buffers only forgotten (each slot's first gradient overwrites it; Bucket.accumulate)."""
         for b in self.buckets:
             if self.opts.sharded_grads:
                 b.grad_shard.zero_()
                 b.grad_flat = None
-            else:
-                b.grad_flat.zero_()
+            b.written = set()
             b.arm()
         self.reducing = []
         self.cursor = 0

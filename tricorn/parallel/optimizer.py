@@ -2,9 +2,10 @@
 
 Precision (Megatron style): model parameters are fp32, bf16 or fp16; gradients
 accumulate in fp32 `main_grad` buffers (bf16 with --grad-reduce-in-bf16); the
-optimizer keeps fp32 master values and steps them with torch's AdamW (foreach),
-then copies them back into the model's parameters. With fp32 parameters (and no
-offload) the parameters are their own master copy: no extra memory.
+optimizer keeps fp32 master values and steps them with torch's AdamW (fused
+where torch has a kernel for the device, foreach otherwise: shard_state.py),
+then copies them back into the model's parameters. With fp32 parameters (and
+no offload) the parameters are their own master copy: no extra memory.
 
 Each DP bucket (data_parallel.py) gets a ShardState holding the master values
 and the two Adam moments of the elements this rank owns - the whole bucket for
@@ -99,9 +100,7 @@ class Optimizer:
             self.sharders.append(ParamSharder(m, units, dp) if units else None)
         self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
         offload = cfg.parallel.optimizer_cpu_offload
-        self.shards = [
-            ShardState(b, cfg.training, offload, fused=self.scaler is not None) for dp in self.data_parallel for b in dp.buckets
-        ]
+        self.shards = [ShardState(b, cfg.training, offload) for dp in self.data_parallel for b in dp.buckets]
         # Shards in the order the next forward uses their buckets: chunk by chunk, and within a chunk the buckets
         # reversed (they are packed in backward order), so the embedding's all-gather is issued first and the
         # first layer's forward pre-hook (data_parallel.py) waits for that one gather only, not for all of them.
@@ -286,12 +285,7 @@ class Optimizer:
 
     def host_scalars(self) -> list[torch.Tensor]:
         """Tensors kept in host memory by design (foreach AdamW's step counters): reading them syncs nothing."""
-        return [
-            step
-            for s in self.shards
-            for step in s._steps()
-            if step.device.type == "cpu" and s.adam and not s.adam.defaults["fused"]
-        ]
+        return [step for s in self.shards for step in s._steps() if step.device.type == "cpu" and s.adam and not s.fused]
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Every tensor this rank holds for the model state, by category (memory_report.py counts storages)."""

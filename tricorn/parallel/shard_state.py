@@ -3,8 +3,10 @@
 The owned range of a bucket (all of it for DDP, 1/DP with the distributed
 optimizer) has three flat fp32 tensors: master values, exp_avg and exp_avg_sq.
 Each parameter that overlaps the range is stepped through a 1-D view of them,
-so torch.optim.AdamW (foreach) does the math on the real storage and the state
-stays contiguous (and checkpointable per parameter, see ParamShard).
+so torch.optim.AdamW does the math on the real storage and the state stays
+contiguous (and checkpointable per parameter, see ParamShard). AdamW is torch's
+fused kernel wherever torch has one for the masters' device (CPU and CUDA),
+foreach otherwise (adamw_kind): one kernel for the whole step, no temporaries.
 
 The master is the parameter storage itself when parameters are fp32 and not
 offloaded; otherwise an fp32 copy, on the CPU (pinned when the device is CUDA)
@@ -45,12 +47,27 @@ class ParamShard:
         return self.master.data_ptr() == self.value.data_ptr() and self.master.dtype == self.value.dtype
 
 
+def adamw_kind(device: torch.device) -> dict:
+    """torch's fused AdamW where torch has a kernel for `device` (CPU and CUDA in torch 2.13), foreach otherwise.
+
+    The choice depends on the masters' device only, so every layout (DDP, ZeRO-1/2/3, any TP/PP/CP) and the
+    single-process run step with the same implementation. The fused kernel also takes the fp16 skip flag on
+    the device (found_inf), so skipping an overflowing step needs no host read. (The CPU kernel computes the
+    last numel % vector-width elements of each tensor in a scalar loop that rounds differently in the last
+    bit, so an element's bits depend on where its DP shard starts: layouts agree to the fp32 reorder bound
+    they already differ by, and a resume on the same layout is bitwise, as before.)
+    """
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return {"fused": True} if device.type in _get_fused_kernels_supported_devices() else {"foreach": True}
+
+
 def _buffer(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
     return torch.zeros(numel, dtype=dtype, device=device, pin_memory=pin)
 
 
 class ShardState:
-    def __init__(self, bucket: Bucket, t: TrainingConfig, offload: bool, fused: bool = False):
+    def __init__(self, bucket: Bucket, t: TrainingConfig, offload: bool):
         self.bucket = bucket
         shard = bucket.shard_param()
         self.offloaded = offload
@@ -76,15 +93,15 @@ class ShardState:
             decay = [m for m, (p, *_) in zip(self.masters, self.entries) if p.ndim > 1]
             no_decay = [m for m, (p, *_) in zip(self.masters, self.entries) if p.ndim <= 1]
             groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-            # fused: the kernel takes the device-side skip flag (found_inf); foreach otherwise (the reference math).
-            kind = {"fused": True} if fused else {"foreach": True}
+            kind = adamw_kind(home)
+            self.fused = "fused" in kind
             self.adam = torch.optim.AdamW(
                 [g for g in groups if g["params"]], lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, **kind
             )
             # State created up front as views of the flat moments (AdamW only initialises empty state).
             for m, (_, lo, hi, _) in zip(self.masters, self.entries):
                 self.adam.state[m] = {
-                    "step": torch.tensor(0.0, dtype=torch.float32, device=home if fused else "cpu"),
+                    "step": torch.tensor(0.0, dtype=torch.float32, device=home if self.fused else "cpu"),
                     "exp_avg": self.exp_avg[lo:hi],
                     "exp_avg_sq": self.exp_avg_sq[lo:hi],
                 }
@@ -97,13 +114,15 @@ class ShardState:
         return self.grad_staging.copy_(grads, non_blocking=self.grad_staging.is_pinned())
 
     def step(self, grads: torch.Tensor, found_inf: Optional[torch.Tensor] = None) -> None:
-        """AdamW on the owned range; with `found_inf` (fused only) a True flag leaves everything untouched."""
+        """AdamW on the owned range; with `found_inf` a True flag leaves everything untouched."""
         if self.adam is not None:
             for m, (_, lo, hi, _) in zip(self.masters, self.entries):
                 m.grad = grads[lo:hi]
-            if found_inf is not None:  # offloaded: the CPU kernel needs the flag in host memory (this syncs)
+            if found_inf is not None and self.fused:  # offloaded: the CPU kernel needs the flag in host memory (this syncs)
                 self.adam.found_inf = found_inf.to(self.master.device, torch.float32).reshape(())
-            self.adam.step()
+            # The foreach fallback (a device without a fused kernel) takes no flag: it reads it on the host.
+            if found_inf is None or self.fused or not bool(found_inf):
+                self.adam.step()
             for m in self.masters:
                 m.grad = None
         if not self.alias:

@@ -11,7 +11,11 @@ one reduction per direction:
 
 Sequence parallel keeps the activations between those pairs (norms, dropout,
 residual) sharded along the sequence, dividing their memory by TP at no extra
-communication volume (all-reduce = reduce-scatter + all-gather). Under SP a
+communication volume (all-reduce = reduce-scatter + all-gather). Hidden states
+are sequence-first ([s, b, h], model/transformer.py), so a rank's sequence shard
+is one contiguous block: the gathers and scatters read and write the tensors
+themselves, with no transposing copy, and the TP all-reduces run in place on
+tensors nothing else holds (no clone; each one argued at its function). Under SP a
 column-parallel linear (and the head) saves its input's sequence SHARD for
 backward, not the all-gathered sequence, and all-gathers it again in backward
 (asynchronously, overlapped with the input-gradient matmul, whose
@@ -23,8 +27,8 @@ trainer all-reduces their gradients over TP (grads.py).
 
 The embedding is vocab-parallel (rows split over TP, out-of-range tokens
 give zeros, outputs summed), and the loss is a vocab-parallel cross entropy
-that reduces three [b, s] tensors (max, target logit, sum of exp) over TP and
-never gathers the [b, s, V] logits; it keeps the logits in the compute dtype and
+that reduces three [s, b] tensors (max, target logit, sum of exp) over TP and
+never gathers the [s, b, V] logits; it keeps the logits in the compute dtype and
 does its fp32 math in chunks (tricorn.model.lean.cross_entropy). Memory: weights
 / TP; logits / TP.
 """
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Optional
 
 import torch
@@ -46,32 +50,70 @@ from tricorn.model.init import SHARD_ATTR, ShardInfo, shard_info
 from tricorn.model.lean import cross_entropy
 from tricorn.model.spec import HeadLinear, LayerSpec, make_norm, masked_cross_entropy
 
-SEQ_DIM = 1  # activations are [batch, seq, hidden]
+SEQ_DIM = 0  # hidden states are [seq, batch, hidden]
 
 
 # ---------------------------------------------------------------- collectives along the sequence
 
 
+def _dim_major(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """`x` with `dim` moved first, contiguous: the tensor itself when its memory is already `dim`-major (the
+    decoder's sequence-first states, CP's k and v), a copy otherwise (a caller's [b, heads, s, d] tensor)."""
+    return x.movedim(dim, 0).contiguous()
+
+
+class _Then:
+    """An asynchronous collective's work, and a local step to run once it has completed."""
+
+    def __init__(self, work: dist.Work, then: Callable[[], None]):
+        self.work, self.then = work, then
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.then()
+
+
+def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """dist.reduce_scatter_tensor(out, x): the sum over ranks of x's rank-th dim-0 block lands in `out`.
+
+    On gloo, an all_to_all of the blocks and a local sum instead: gloo runs reduce_scatter as slowly as an
+    all-reduce of the whole tensor (2 CPU ranks, 1 MB: 1.5-2.2 ms against 1.2-1.6 ms for the all-reduce
+    and 0.8 ms for this), while all_to_all moves exactly a reduce-scatter's bytes. Other backends (NCCL)
+    run their own reduce-scatter."""
+    if dist.get_backend(group) != "gloo":
+        return dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)
+    blocks = torch.empty_like(x)  # block r: rank r's contribution to this rank's part
+    work = dist.all_to_all_single(blocks, x, group=group, async_op=async_op)
+
+    def add_blocks() -> None:
+        torch.sum(blocks.view((dist.get_world_size(group),) + tuple(out.shape)), 0, out=out)
+
+    if not async_op:
+        add_blocks()
+        return None
+    return _Then(work, add_blocks)
+
+
 def all_gather_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Concatenate every rank's `x` along `dim` (rank order)."""
+    """Concatenate every rank's `x` along `dim` (rank order); the result is laid out `dim`-major."""
     world = dist.get_world_size(group)
     if world == 1:
         return x
-    x = x.transpose(0, dim).contiguous()
+    x = _dim_major(x, dim)
     out = x.new_empty((world * x.shape[0],) + x.shape[1:])
     dist.all_gather_into_tensor(out, x, group=group)
-    return out.transpose(0, dim)
+    return out.movedim(0, dim)
 
 
 def reduce_scatter_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum over ranks, each keeping its 1/world slice along `dim`."""
+    """Sum over ranks, each keeping its 1/world slice along `dim`; the result is laid out `dim`-major."""
     world = dist.get_world_size(group)
     if world == 1:
         return x
-    x = x.transpose(0, dim).contiguous()
+    x = _dim_major(x, dim)
     out = x.new_empty((x.shape[0] // world,) + x.shape[1:])
-    dist.reduce_scatter_tensor(out, x, group=group)
-    return out.transpose(0, dim)
+    reduce_scatter_tensor(out, x, group)
+    return out.movedim(0, dim)
 
 
 def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -86,18 +128,15 @@ def _split_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     world = dist.get_world_size(group)
     if world == 1:
         return x
-    return x.chunk(world, dim=SEQ_DIM)[dist.get_rank(group)].contiguous()
+    return x.chunk(world, dim=SEQ_DIM)[dist.get_rank(group)].contiguous()  # a contiguous block: no copy
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum over `group`, in place when `x` is contiguous (callers pass tensors nothing else reads)."""
     if dist.get_world_size(group) > 1:
         x = x.contiguous()
         dist.all_reduce(x, group=group)
     return x
-
-
-def _seq_first(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(0, SEQ_DIM).contiguous()
 
 
 class _GatherLinear(torch.autograd.Function):
@@ -113,19 +152,18 @@ class _GatherLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         group, world = ctx.group, dist.get_world_size(ctx.group)
-        shard = _seq_first(x)
+        shard = x.contiguous()
         gathered = shard.new_empty((world * shard.shape[0],) + shard.shape[1:])
         gather = dist.all_gather_into_tensor(gathered, shard, group=group, async_op=True)
-        grad_input = _seq_first(grad.matmul(weight))  # overlaps the all-gather
+        grad_input = grad.matmul(weight)  # [s, b, in], contiguous; overlaps the all-gather
         grad_shard = grad_input.new_empty((grad_input.shape[0] // world,) + grad_input.shape[1:])
         gather.wait()
-        scatter = dist.reduce_scatter_tensor(grad_shard, grad_input, group=group, async_op=True)
+        scatter = reduce_scatter_tensor(grad_shard, grad_input, group, async_op=True)
         grad2d = grad.reshape(-1, grad.shape[-1])
-        total = gathered.transpose(0, SEQ_DIM).reshape(-1, gathered.shape[-1])
-        grad_weight = grad2d.t().matmul(total)  # overlaps the reduce-scatter
+        grad_weight = grad2d.t().matmul(gathered.view(-1, gathered.shape[-1]))  # overlaps the reduce-scatter
         grad_bias = grad2d.sum(0) if ctx.has_bias else None
         scatter.wait()
-        return grad_shard.transpose(0, SEQ_DIM), grad_weight, grad_bias, None
+        return grad_shard, grad_weight, grad_bias, None
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -136,13 +174,22 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.group), None
+        # In place, no clone: copy_to_tp's output feeds exactly one GEMM (a column-parallel linear's or a TE
+        # GEMM's input), so `grad` is that GEMM's fresh input gradient, handed to this node alone (Megatron
+        # all-reduces it in place too).
+        return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        # In place, no clone: `x` is a fresh partial product (a row-parallel GEMM's or the vocab-parallel
+        # embedding's output) that nothing saved for backward - a linear keeps its input, masked_fill its
+        # mask. mark_dirty: the output is x itself, modified in place (autograd moves x's history here).
+        if not x.is_contiguous():
+            return _all_reduce(x, group)  # the collective needs contiguous memory: a copy is reduced
+        ctx.mark_dirty(x)
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):

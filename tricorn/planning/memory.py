@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, astuple, dataclass, field
 from typing import Optional
 
-from tricorn.config import Config, ModelConfig
+from tricorn.config import Config, ModelConfig, default_bucket_elements
 from tricorn.parallel.buckets import plan_buckets
 from tricorn.planning.activations import (  # noqa: F401 - re-exported: the estimator's activation API lives here too
     KORTHIKANTI,
@@ -123,7 +123,7 @@ class Layout:
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
     device: str = "cuda"
-    ddp_bucket_elements: Optional[int] = None  # --ddp-bucket-size; None: the config's default, max(40M, 1M x DP)
+    ddp_bucket_elements: Optional[int] = None  # --ddp-bucket-size; None: the default (config.default_bucket_elements)
     ep: int = 1  # expert parallel: ranks of DP x CP that split the MoE experts
     etp: int = 1  # expert tensor parallel: 1 (routed experts replicated over TP) or TP (split like the dense MLP)
 
@@ -131,9 +131,9 @@ class Layout:
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
-    @property
-    def bucket_elements(self) -> int:
-        return self.ddp_bucket_elements or max(40_000_000, 1_000_000 * self.dp)
+    def bucket_elements(self, chunk_params: float) -> int:
+        """DP bucket size for a model chunk of `chunk_params` parameters (what DataParallel picks)."""
+        return self.ddp_bucket_elements or default_bucket_elements(self.dp * self.cp, int(chunk_params))
 
     @classmethod
     def from_config(cls, cfg: Config) -> Layout:
@@ -397,7 +397,8 @@ def zero2_buckets(model: ModelConfig, layout: Layout, stage: int, layers: int) -
     for c in reversed(range(vpp)):  # layers split evenly over the chunks; backward runs the last chunk first
         chunk = [p for layer in body[layers * c // vpp : layers * (c + 1) // vpp] for p in layer]
         chunk = (head if c == 0 else []) + chunk + (tail if c == vpp - 1 else [])
-        plan = plan_buckets(chunk, lambda s: s[0], layout.bucket_elements, lambda a, b: a[1] or b[1])
+        size = layout.bucket_elements(sum(n for n, _ in chunk))  # what DataParallel picks for the chunk
+        plan = plan_buckets(chunk, lambda s: s[0], size, lambda a, b: a[1] or b[1])
         buckets += [sum(n for n, _ in b) for b in plan]
     return buckets
 

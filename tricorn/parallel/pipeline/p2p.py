@@ -9,7 +9,7 @@ posting order (NCCL has no tags, gloo matches by (peer, tag 0) in order), which 
 schedules guarantee.
 
 Shapes need no handshake: every activation and activation gradient between stages is
-``[micro_batch, seq / CP (/ TP under sequence parallel), hidden]`` in the wire dtype (the
+``[seq / CP (/ TP under sequence parallel), micro_batch, hidden]`` (sequence-first) in the wire dtype (the
 parameter dtype: fp32, bf16 or fp16), all known from the config. Sends are checked against
 that shape so a wrong split fails with a message instead of a hang or a garbled tensor.
 
@@ -35,12 +35,12 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def activation_shape(cfg) -> tuple[int, int, int]:
-    """[micro batch, local sequence, hidden] of the hidden states passed between stages."""
+    """[local sequence, micro batch, hidden] of the (sequence-first) hidden states passed between stages."""
     p, m = cfg.parallel, cfg.model
     seq = m.seq_length // p.context_parallel_size
     if p.sequence_parallel and p.tensor_model_parallel_size > 1:
         seq //= p.tensor_model_parallel_size
-    return cfg.training.micro_batch_size, seq, m.hidden_size
+    return seq, cfg.training.micro_batch_size, m.hidden_size
 
 
 def wire_dtype(cfg) -> torch.dtype:
@@ -95,6 +95,6 @@ class PipelineP2P:
         if tuple(tensor.shape) != tuple(self.shape):
             raise RuntimeError(
                 f"pipeline rank {self.pp_rank} {action}: tensor of shape {tuple(tensor.shape)} does not match the "
-                f"configured stage boundary shape {tuple(self.shape)} (micro batch, seq / CP (/ TP with SP), hidden)"
+                f"configured stage boundary shape {tuple(self.shape)} (seq / CP (/ TP with SP), micro batch, hidden)"
             )
         return tensor.detach().to(self.dtype).contiguous()
