@@ -68,7 +68,8 @@ def test_default_bucket_size_cuts_a_multi_layer_model():
 def one_rank():
     """A gloo group of this one process: DataParallel's state (its reductions send nothing)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield SimpleNamespace(dp_cp_group=dist.group.WORLD, device=torch.device("cpu"), embedding_group=None)
+    world = dist.group.WORLD
+    yield SimpleNamespace(dp_cp_group=world, device=torch.device("cpu"), embedding_group=None, replica_group=lambda _: world)
     dist.destroy_process_group()
 
 
