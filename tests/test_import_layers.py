@@ -33,7 +33,10 @@ def offenders(files: list[Path], forbidden: tuple[str, ...]) -> list[str]:
 @pytest.mark.parametrize(
     "files, forbidden",
     [
-        ([PKG / "config.py", PKG / "presets.py"], ("tricorn.parallel", "tricorn.training", "tricorn.planning", "tricorn.data", "tricorn.model")),
+        (
+            [PKG / "config.py", PKG / "presets.py"],
+            ("tricorn.parallel", "tricorn.training", "tricorn.planning", "tricorn.data", "tricorn.model"),
+        ),
         (sorted((PKG / "parallel").rglob("*.py")), ("tricorn.training", "tricorn.planning")),
         (sorted((PKG / "model").rglob("*.py")), ("torch.distributed", "tricorn.parallel", "tricorn.training")),
         ([PKG / "timers.py"], ("tricorn.parallel", "tricorn.training")),
