@@ -22,12 +22,15 @@ _broken = False
 
 
 def usable(cmd: list[str], env: dict) -> bool:
-    """A Python script run by this interpreter on this import path: what the server has imported applies."""
+    """A Python script run by this interpreter on this import path (what the server has imported applies), and
+    the server is up (started on first use; if it cannot start, real processes for the rest of the session)."""
     if _broken or os.environ.get("TRICORN_TEST_NO_FORK") == "1":
         return False
     if len(cmd) < 2 or cmd[0] != sys.executable or not cmd[1].endswith(".py"):
         return False
-    return env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
+    if env.get("PYTHONPATH") != os.environ.get("PYTHONPATH"):
+        return False
+    return _server is not None or _start()
 
 
 def _start() -> bool:
@@ -59,8 +62,6 @@ def _stop(home: str) -> None:
 def run(cmd: list[str], envs: list[dict], cwd: Path, timeout: float) -> list[tuple[int, str, str]]:
     """Fork one rank per environment; (exit code, stdout, stderr) per rank, as Popen would give them.
     Past `timeout` the ranks are killed and subprocess.TimeoutExpired raised, as Popen.communicate does."""
-    if _server is None and not _start():
-        raise RuntimeError("the fork server is not running")
     outdir = tempfile.mkdtemp(prefix="tricorn-ranks-")
     files = [(os.path.join(outdir, f"{i}.out"), os.path.join(outdir, f"{i}.err")) for i in range(len(envs))]
     ranks = [{"argv": cmd[1:], "env": e, "cwd": str(cwd), "stdout": o, "stderr": r} for e, (o, r) in zip(envs, files)]
