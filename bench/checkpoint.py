@@ -53,7 +53,7 @@ def plain_save_seconds(trainer, ckpt) -> float:
     """One sync save without the writer's checksums (DCP's plain file system); the small files are still hashed."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    from tricorn.training import checkpoint_io
+    from tricorn.checkpoint import io as checkpoint_io
 
     class Plain(FileSystem):
         checksums: dict = {}
@@ -68,9 +68,9 @@ def plain_save_seconds(trainer, ckpt) -> float:
 
 
 def build_trainer(args: argparse.Namespace, root: Path):
+    from tricorn.checkpoint.checkpointer import Checkpointer
     from tricorn.config import config_from_args
     from tricorn.parallel.state import init_parallel
-    from tricorn.training.checkpoint import Checkpointer
     from tricorn.training.logging import MetricsLogger
     from tricorn.training.main import build_trainer
     from tricorn.validation import validate
@@ -84,8 +84,8 @@ def build_trainer(args: argparse.Namespace, root: Path):
     errors = validate(cfg)
     assert not errors, errors
     state = init_parallel(cfg)
-    trainer, tracker = build_trainer(cfg, state, MetricsLogger(cfg, state.rank, state.device), with_validation=False)
-    return cfg, trainer, Checkpointer(cfg, state, tracker, console=lambda line: None)
+    trainer = build_trainer(cfg, state, MetricsLogger(cfg, state.rank, state.device), with_validation=False)
+    return cfg, trainer, Checkpointer(cfg, state, console=lambda line: None)
 
 
 def timed_iteration(trainer) -> float:
@@ -114,7 +114,7 @@ def peak_extra(trainer, ckpt) -> None:
 
 
 def throughput(trainer, ckpt, root: Path, saves: int) -> None:
-    from tricorn.training.checkpoint_io import iter_name
+    from tricorn.checkpoint.io import iter_name
 
     ckpt_rates, raw_rates, hash_shares = [], [], []
     for _ in range(saves):

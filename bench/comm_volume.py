@@ -211,7 +211,7 @@ def worker(layout: str) -> None:
 
     cfg = resolve_config(FLAGS + LAYOUTS[layout][1])
     state = init_parallel(cfg)
-    trainer, _ = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)
+    trainer = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)
     trainer.run_iteration()  # warm-up: first-iteration-only work is not counted
     from tricorn.parallel import expert
 

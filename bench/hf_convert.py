@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from tricorn.checkpoint.interop.hf import export_hf, fsync_file, import_hf
+from tricorn.checkpoint.interop.hf_mapping import expected_shape, hf_config_from_model, tensor_map
 from tricorn.config import ModelConfig
-from tricorn.training.hf_convert import export_hf, fsync_file, import_hf
-from tricorn.training.hf_mapping import expected_shape, hf_config_from_model, tensor_map
 
 
 def hf_tensors(m: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:

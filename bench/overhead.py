@@ -133,7 +133,7 @@ class TrainerSide:
 
     def __init__(self, cfg: Config):
         self.state = init_parallel(cfg)
-        self.trainer, _ = build_trainer(cfg, self.state, MetricsLogger(cfg, rank=1), with_validation=False)
+        self.trainer = build_trainer(cfg, self.state, MetricsLogger(cfg, rank=1), with_validation=False)
         self.optimizer_seconds: list[float] = []
         opt = self.trainer.optimizer
         inner = opt.step

@@ -81,7 +81,7 @@ def main() -> None:
     ).split()
     cfg = config_from_args(argv, world_size=1)
     state = init_parallel(cfg)
-    trainer, _ = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)  # logger writes nothing
+    trainer = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)  # logger writes nothing
     settings = {
         "disabled": Timers.disabled(),
         "level 0": Timers(0, state.device),

@@ -102,7 +102,7 @@ class Runner:
         cfg = resolve_config(self.flags(extra, iters))
         state = init_parallel(cfg)
         try:
-            trainer, _ = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)
+            trainer = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)
             if state.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             times, reads, results = [], {}, []
@@ -238,9 +238,9 @@ def check_host_reads(r: Runner, c: Check, base: dict) -> None:
 
 
 def check_async_staging(r: Runner, c: Check, base: dict) -> None:
-    """--async-save staging (training/staging.py): the host returns before the copies finish, the copies hold
+    """--async-save staging (tricorn/checkpoint/staging.py): the host returns before the copies finish, the copies hold
     the values as of the save even though the step after it rewrites the tensors in place."""
-    from tricorn.training.staging import HostStaging
+    from tricorn.checkpoint.staging import HostStaging
 
     n = 1 << (16 if r.smoke else 26)  # 8 x 256 MiB of fp32 on a GPU: long enough to see the copies run async
     local = {f"t{i}": (torch.randn(n, device=r.device), None) for i in range(8)}

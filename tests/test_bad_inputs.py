@@ -21,11 +21,11 @@ from badinput import assert_refused
 from harness import BASE_FLAGS, ENTRY, ROOT, with_flag
 from test_checkpoint_io import make_checkpoint
 
+from tricorn.checkpoint import io
 from tricorn.data.errors import DataError
 from tricorn.data.indexed import IndexedDataset, write_index
 from tricorn.data.loader import token_range
 from tricorn.data.preprocess import preprocess
-from tricorn.training import checkpoint_io as io
 
 # (extra flags, text the error must contain). The base flags are valid; each case breaks one value.
 FLAG_CASES = [

@@ -12,7 +12,7 @@ import pytest
 from harness import BASE_FLAGS, ROOT, free_port, run_layout, with_flag
 from test_checkpoint_io import make_checkpoint
 
-from tricorn.training import checkpoint_io as io
+from tricorn.checkpoint import io
 
 # ---------------------------------------------------------------- checksums (a real save and load)
 

@@ -7,7 +7,9 @@ other run resumes from its iteration-3 checkpoint on some layout and must reprod
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +20,8 @@ import pytest
 import torch
 from harness import BASE_FLAGS, ENTRY, FP32_RTOL, RunResult, free_port, run_layout, run_script, with_flag
 
-from tricorn.training.checkpoint_io import LATEST_FILE, iter_name, read_meta, read_tensors
+from tricorn.checkpoint.checksums import file_checksum
+from tricorn.checkpoint.io import CHECKSUM_FILE, LATEST_FILE, RNG_DIR, decode_rng, encode_rng, iter_name, read_meta, read_tensors
 
 FLAGS = with_flag(with_flag(with_flag(BASE_FLAGS, "--num-layers", "4"), "--train-iters", "6"), "--micro-batch-size", "1")
 TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -64,6 +67,29 @@ def test_resume_tp2pp2_is_bitwise_and_async_save_equals_sync(reference, tmp_path
     for key, value in sync_saved.items():
         assert torch.equal(async_saved[key], value), f"{key} differs between the async and the sync save"
     assert "model.output.weight" not in sync_saved, "the tied head copy of the last stage must not be saved"
+
+
+def test_checkpoint_with_the_removed_rng_tracker_streams_resumes_bitwise(reference, tmp_path):
+    """Checkpoints written before the RNG tracker was removed hold a "tracker.tensor-parallel" stream in every
+    rank's RNG file: they still load (checksums and all) and the resume is bitwise, since nothing draws from it."""
+    ckpt, ref = reference
+    old = tmp_path / "old"
+    shutil.copytree(ckpt / iter_name(3), old / iter_name(3))
+    (old / LATEST_FILE).write_text("3")
+    sums_file = old / iter_name(3) / CHECKSUM_FILE
+    sums = json.loads(sums_file.read_text())
+    rng_files = sorted((old / iter_name(3) / RNG_DIR).glob("*.json"))
+    assert len(rng_files) == 4
+    for f in rng_files:
+        states = decode_rng(f)
+        states["tracker.tensor-parallel"] = torch.Generator().manual_seed(7).get_state()
+        f.write_text(encode_rng(states))
+        name = f"{RNG_DIR}/{f.name}"
+        assert name in sums["files"], f"checksums.json lists {sorted(sums['files'])}"
+        sums["files"][name] = file_checksum(f)
+    sums_file.write_text(json.dumps(sums))
+    run = run_layout(FLAGS + TP2PP2 + ["--load", str(old)], 4, tmp_path)
+    assert_losses(run, ref, range(4, 7))
 
 
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "4"], ["--pipeline-model-parallel-size", "4"]])

@@ -16,9 +16,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from harness import BASE_FLAGS, with_flag
 
+from tricorn.checkpoint import io
+from tricorn.checkpoint.io import CheckpointError
 from tricorn.config import config_from_args, dump_yaml
-from tricorn.training import checkpoint_io as io
-from tricorn.training.checkpoint_io import CheckpointError
 from tricorn.training.signals import ExitConditions
 
 CFG = config_from_args(BASE_FLAGS, world_size=1)

@@ -1,12 +1,12 @@
-"""The global rectangles a rank's owned range of a parameter maps to (tricorn/training/checkpoint_pieces.py)."""
+"""The global rectangles a rank's owned range of a parameter maps to (tricorn/checkpoint/pieces.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tricorn.checkpoint.pieces import owned_pieces
 from tricorn.model.init import SHARD_ATTR, ShardInfo
-from tricorn.training.checkpoint_pieces import owned_pieces
 
 
 def _param(shape: tuple[int, ...], info: ShardInfo | None = None) -> torch.Tensor:

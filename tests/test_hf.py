@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from harness import run_layout
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tricorn.checkpoint.interop.hf import export_hf, import_hf, model_flags, read_model_config
+from tricorn.checkpoint.io import iter_name, read_meta, read_tensors
 from tricorn.cli import main as cli
 from tricorn.config import ModelConfig
 from tricorn.model import GPTModel
 from tricorn.model.transformer import rotary_of
-from tricorn.training.checkpoint_io import iter_name, read_meta, read_tensors
-from tricorn.training.hf_convert import export_hf, import_hf, model_flags, read_model_config
 
 # The acceptance bound for fp32 logits, relative to the largest logit: transformers and tricorn
 # run the same math through different kernels (eager softmax vs SDPA, separate vs fused QKV GEMMs).

@@ -219,7 +219,7 @@ def test_moe_statistics_reach_tensorboard(results):
 
 
 def test_hf_export_refuses_a_moe_checkpoint(results, capsys):
-    from tricorn.training.hf_convert import export_main
+    from tricorn.checkpoint.interop.hf import export_main
 
     tmp = results["tmp"]
     assert export_main(["--load", str(tmp / "ref-ckpt"), "--output", str(tmp / "hf")]) == 2

@@ -1,4 +1,4 @@
-"""Activation recomputation: refused combinations, bitwise equality with no recompute, RNG tracker replay.
+"""Activation recomputation: refused combinations, bitwise equality with no recompute.
 
 The launched runs compare a recompute run with the same layout without recompute at rtol=0 (fp32 on CPU),
 for full (uniform, 1 layer) and selective recompute, single process, TP=2 with SP (and dropout, so the

@@ -90,7 +90,7 @@ def test_zero3_70b_builds_only_the_local_shard():
     with fake_world(5, 64):
         state = init_parallel(cfg)
         with SimulationMode(), PeakTracker(dict) as tracker:
-            _, optimizer, _, _ = build(cfg, state)
+            _, optimizer, _ = build(cfg, state)
             held = tracker.total
     est = estimate_config(cfg)
     shard_state = est.model_state_bytes  # params 1/64, grads 1/64, master, Adam

@@ -161,7 +161,7 @@ def measure_rank(cfg: Config, rank: int, iters: int) -> dict:
     with fake_world(rank, cfg.world_size):
         state = init_parallel(cfg)
         with SimulationMode(), balanced_routing():
-            chunks, optimizer, forward_backward, _ = build(cfg, state)
+            chunks, optimizer, forward_backward = build(cfg, state)
             loader = SyntheticLoader(cfg, state.dp_size)
             trainer = Trainer(cfg, state, chunks, optimizer, loader, None, None, forward_backward)
             with iteration_peak(optimizer, chunks, state.device) as peak:

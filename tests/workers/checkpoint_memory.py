@@ -20,9 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from harness import BASE_FLAGS, with_flag  # noqa: E402
 
+from tricorn.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from tricorn.parallel.grads import counts_for_norm  # noqa: E402
 from tricorn.parallel.state import init_parallel  # noqa: E402
-from tricorn.training.checkpoint import Checkpointer  # noqa: E402
 from tricorn.training.logging import MetricsLogger  # noqa: E402
 from tricorn.training.main import build_trainer, resolve_config  # noqa: E402
 from tricorn.training.measurements import cpu_peak_bytes, params_norm  # noqa: E402
@@ -38,9 +38,9 @@ def check(extra: list[str], root: str) -> None:
     flags = with_flag(with_flag(with_flag(BASE_FLAGS, "--num-layers", "4"), "--micro-batch-size", "1"), "--hidden-size", "128")
     cfg = resolve_config(flags + ["--ddp-bucket-size", "200000", "--save", root] + extra)
     STATE = STATE or init_parallel(cfg)
-    trainer, tracker = build_trainer(cfg, STATE, MetricsLogger(cfg, rank=1), with_validation=False)
+    trainer = build_trainer(cfg, STATE, MetricsLogger(cfg, rank=1), with_validation=False)
     trainer.run_iteration()
-    ckpt = Checkpointer(cfg, STATE, tracker, console=lambda line: None)
+    ckpt = Checkpointer(cfg, STATE, console=lambda line: None)
     _, peak = cpu_peak_bytes(lambda: ckpt.save(trainer))
     buckets = [b for dp in trainer.optimizer.data_parallel for b in dp.buckets]
     largest = max(b.numel for b in buckets) * 4

@@ -44,7 +44,7 @@ def make_trainer(argv: list[str]) -> Trainer:
     cfg = resolve_config(argv)
     if STATE is None:
         STATE = init_parallel(cfg)
-    chunks, optimizer, forward_backward, _ = build(cfg, STATE)
+    chunks, optimizer, forward_backward = build(cfg, STATE)
     train_loader, _ = build_loaders(cfg, STATE)
     return Trainer(
         cfg=cfg,

@@ -28,7 +28,7 @@ FLAGS = BASE_FLAGS + [
 def main() -> None:
     cfg = resolve_config(FLAGS + sys.argv[1:])
     state = init_parallel(cfg)
-    trainer, _ = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)
+    trainer = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)
     dp = trainer.optimizer.data_parallel[0]
     assert len(dp.buckets) > 2, "the test needs several buckets"
     events: list[tuple[str, int]] = []

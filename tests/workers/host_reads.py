@@ -29,7 +29,7 @@ def main() -> None:
     flags = with_flag(with_flag(BASE_FLAGS, "--train-iters", "6"), "--log-interval", "3") + sys.argv[1:]
     cfg = resolve_config(flags)
     state = init_parallel(cfg)
-    trainer, _ = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)
+    trainer = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)
     counts: dict[int, list[str]] = {}
     counter = HostReadCounter(trainer.optimizer.host_scalars())
     run_iteration = trainer.run_iteration

@@ -24,12 +24,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
+from tricorn.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from tricorn.host_reads import HostReadCounter  # noqa: E402
 from tricorn.model.init import is_expert  # noqa: E402
 from tricorn.model.moe import Router  # noqa: E402
 from tricorn.parallel import grads  # noqa: E402
 from tricorn.parallel.state import init_parallel  # noqa: E402
-from tricorn.training.checkpoint import Checkpointer  # noqa: E402
 from tricorn.training.logging import MetricsLogger  # noqa: E402
 from tricorn.training.main import build_trainer, resolve_config  # noqa: E402
 from tricorn.training.measurements import cpu_peak_bytes  # noqa: E402
@@ -63,10 +63,10 @@ def train(run: dict) -> dict:
     cfg = resolve_config(flags)
     state = init_parallel(cfg)
     logger = MetricsLogger(cfg, rank=1)  # silent; its records are caught below
-    trainer, tracker = build_trainer(cfg, state, logger, with_validation=False)
+    trainer = build_trainer(cfg, state, logger, with_validation=False)
     moe_values: list[dict] = []
     logger.record = lambda iteration, values: moe_values.append(values["moe"]) if "moe" in values else None
-    ckpt = Checkpointer(cfg, state, tracker, console=lambda line: None)
+    ckpt = Checkpointer(cfg, state, console=lambda line: None)
     # The peak of the checkpoint's reads; the distributed optimizer's all-gather that follows is left out (gloo
     # frees its staging on its own thread, which the profiler of this thread never sees).
     gather, trainer.optimizer.params_from_masters = trainer.optimizer.params_from_masters, lambda: None

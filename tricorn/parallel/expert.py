@@ -20,7 +20,7 @@ least any scheme moves, since a row leaves for another rank only if one of its e
 plus the routing weights, E/EP fp32 per row each way, and the counts. Memory: the arrived rows, their
 copies and the experts' intermediates (on average as many copies as the rank's own T x k). The
 experts' gradients sum over the expert-DP group only (data_parallel.py, grads.py); checkpoints hold
-each expert under its own global name (training/checkpoint_pieces.py), so they reshard to any EP.
+each expert under its own global name (tricorn/checkpoint/pieces.py), so they reshard to any EP.
 
 Sequence parallelism: each TP rank dispatches its own sequence shard over its ep group (the groups of
 different TP ranks hold the same experts); nothing here is gathered over TP.

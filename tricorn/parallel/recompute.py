@@ -23,9 +23,7 @@ layer ModuleDict stay as they were.
 
 RNG: dropout masks are drawn by (seed, sample, layer, site, position) (tricorn/model/dropout.py), so a
 recomputed region draws them again identically with no RNG bookkeeping. For any other randomness a region
-may draw, checkpoint restores the default RNG stream, and each checkpoint snapshots the RNG tracker's states
-when its forward starts and swaps them in around its recomputation (as Megatron's CheckpointFunction does).
-Recomputation therefore gives bitwise the same loss and gradients as no recomputation.
+may draw, checkpoint restores the default RNG stream (preserve_rng_state). Recomputation therefore gives bitwise the same loss and gradients as no recomputation.
 
 Collectives: a recomputed region re-runs its collectives during backward (the TP all-reduce or the SP
 all-gather / reduce-scatter of a recomputed layer or MLP); every TP rank recomputes the same regions in the
@@ -42,9 +40,8 @@ mlp_act: two norms and one elementwise activation per layer).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -129,45 +126,13 @@ class RecomputePlan:
         return [ids[k : k + self.num_layers] for k in range(0, len(ids), self.num_layers)]
 
 
-# ---------------------------------------------------------------- RNG tracker replay
-
-
-def tracker_context_fn(tracker: Optional[Any]) -> Callable[[], tuple[contextlib.AbstractContextManager, ...]]:
-    """checkpoint's context_fn: snapshot the tracker's streams in forward, replay them around the recomputation."""
-
-    def context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        if tracker is None:
-            return contextlib.nullcontext(), contextlib.nullcontext()
-        snapshot: dict[str, torch.Tensor] = {}
-
-        @contextlib.contextmanager
-        def forward() -> Iterator[None]:
-            # RNGTracker.fork replaces the dict entries (never mutates a state tensor), so a shallow copy suffices.
-            snapshot.update(tracker.states)
-            yield
-
-        @contextlib.contextmanager
-        def recompute() -> Iterator[None]:
-            current = dict(tracker.states)
-            tracker.states.update(snapshot)
-            try:
-                yield
-            finally:
-                tracker.states.clear()
-                tracker.states.update(current)
-
-        return forward(), recompute()
-
-    return context_fn
-
-
-def checkpointed(fn: Callable[..., Any], context_fn: Callable) -> Callable[..., Any]:
+def checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
     """fn under non-reentrant torch.utils.checkpoint when autograd records (plain fn otherwise)."""
 
     def run(*args: Any) -> Any:
         if not torch.is_grad_enabled():
             return fn(*args)
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
 
     return run
 
@@ -183,11 +148,11 @@ class _LayerGroup:
     forward and in the recomputation); when the decoder then calls those layers, they hand their input on.
     """
 
-    def __init__(self, layers: list[nn.Module], context_fn: Callable):
+    def __init__(self, layers: list[nn.Module]):
         self.layers = layers
         self.forwards = [layer.forward for layer in layers]
         self.running = False
-        layers[0].forward = checkpointed(self._run, context_fn)
+        layers[0].forward = checkpointed(self._run)
         for forward, layer in zip(self.forwards[1:], layers[1:]):
             layer.forward = self._member(forward)
 
@@ -211,13 +176,13 @@ class _LayerGroup:
 # ---------------------------------------------------------------- selective recompute
 
 
-def _checkpoint_core_attention(block: nn.Module, context_fn: Callable) -> None:
+def _checkpoint_core_attention(block: nn.Module) -> None:
     attention = block.attention
-    attention.spec = dataclasses.replace(attention.spec, core_attention=checkpointed(attention.spec.core_attention, context_fn))
+    attention.spec = dataclasses.replace(attention.spec, core_attention=checkpointed(attention.spec.core_attention))
 
 
-def _checkpoint_mlp(block: nn.Module, context_fn: Callable) -> None:
-    block.mlp.forward = checkpointed(block.mlp.forward, context_fn)
+def _checkpoint_mlp(block: nn.Module) -> None:
+    block.mlp.forward = checkpointed(block.mlp.forward)
 
 
 def _recompute_output(producer: nn.Module, consumer: nn.Module) -> None:
@@ -266,29 +231,25 @@ def _blocks(chunk: nn.Module) -> dict[str, nn.Module]:
     return dict(chunk.layers.items()) if hasattr(chunk, "layers") else {}
 
 
-def apply_recompute(chunks: Sequence[nn.Module], model_cfg: Any, tracker: Optional[Any] = None) -> RecomputePlan:
-    """Apply the config's recompute plan to every model chunk of this rank (in place); returns the plan.
-
-    `tracker` is the RNGTracker whose streams dropout forks (None: only the default stream is used).
-    """
+def apply_recompute(chunks: Sequence[nn.Module], model_cfg: Any) -> RecomputePlan:
+    """Apply the config's recompute plan to every model chunk of this rank (in place); returns the plan."""
     plan = RecomputePlan.from_model_config(model_cfg)
     if plan.granularity is None:
         return plan
-    context_fn = tracker_context_fn(tracker)
     for chunk in chunks:
         if getattr(chunk, _APPLIED, None) is not None:
             raise RuntimeError("apply_recompute was already applied to this model chunk")
         setattr(chunk, _APPLIED, plan)
         blocks = _blocks(chunk)
         for group in plan.full_groups(list(blocks)):
-            _LayerGroup([blocks[i] for i in group], context_fn)
+            _LayerGroup([blocks[i] for i in group])
         if plan.granularity != "selective":
             continue
         for block in blocks.values():
             if "core_attn" in plan.modules:
-                _checkpoint_core_attention(block, context_fn)
+                _checkpoint_core_attention(block)
             if "mlp" in plan.modules:
-                _checkpoint_mlp(block, context_fn)
+                _checkpoint_mlp(block)
             if "norm" in plan.modules:
                 _recompute_output(block.attention_norm, block.attention)
                 _recompute_output(block.mlp_norm, block.mlp)
@@ -297,4 +258,4 @@ def apply_recompute(chunks: Sequence[nn.Module], model_cfg: Any, tracker: Option
     return plan
 
 
-__all__ = ["RECOMPUTE_MODULES", "RecomputePlan", "apply_recompute", "checkpointed", "tracker_context_fn", "validate_recompute"]
+__all__ = ["RECOMPUTE_MODULES", "RecomputePlan", "apply_recompute", "checkpointed", "validate_recompute"]

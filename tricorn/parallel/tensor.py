@@ -35,9 +35,8 @@ does its fp32 math in chunks (tricorn.model.lean.cross_entropy). Memory: weights
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -379,57 +378,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, voc
     )
 
 
-# ---------------------------------------------------------------- RNG tracker
+# ---------------------------------------------------------------- the default RNG stream
 
 
-def _get_rng(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-def _set_rng(state: torch.Tensor, device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
-
-
-class RNGTracker:
-    """Named RNG streams beside the default one.
-
-    The default stream is the same on every TP rank (dropout outside the TP
-    region must match); the "tensor-parallel" stream is seeded per TP rank so
-    dropout on split heads or sequence shards differs across ranks.
-    """
-
-    TP = "tensor-parallel"
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.states: dict[str, torch.Tensor] = {}
-
-    def add(self, name: str, seed: int) -> None:
-        original = _get_rng(self.device)
-        torch.manual_seed(seed) if self.device.type == "cpu" else torch.cuda.manual_seed(seed)
-        self.states[name] = _get_rng(self.device)
-        _set_rng(original, self.device)
-
-    @contextlib.contextmanager
-    def fork(self, name: str = TP) -> Iterator[None]:
-        original = _get_rng(self.device)
-        _set_rng(self.states[name], self.device)
-        try:
-            yield
-        finally:
-            self.states[name] = _get_rng(self.device)
-            _set_rng(original, self.device)
-
-
-def seed_everything(seed: int, pp_rank: int, tp_rank: int, device: torch.device) -> RNGTracker:
-    """Megatron's scheme: default stream differs per pipeline stage, TP stream per TP rank."""
+def seed_default_stream(seed: int, pp_rank: int) -> None:
+    """Megatron's per-stage offset for the default stream. Dropout draws its masks from its own generators
+    (tricorn/model/dropout.py), so no TP-rank stream is needed; this stream serves any other randomness."""
     torch.manual_seed(seed + 100 * pp_rank)
-    tracker = RNGTracker(device)
-    tracker.add(RNGTracker.TP, seed + 2718 + 100 * pp_rank + tp_rank)
-    return tracker
 
 
 # ---------------------------------------------------------------- the spec
@@ -471,7 +426,6 @@ __all__ = [
     "VocabParallelEmbedding",
     "ParallelHead",
     "HeadLinear",
-    "RNGTracker",
     "tensor_parallel_spec",
     "vocab_parallel_cross_entropy",
 ]

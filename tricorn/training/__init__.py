@@ -1,1 +1,1 @@
-"""Training: the loop, batch schedule, LR schedule, checkpoints and logging."""
+"""Training: the loop, main (build and run), LR schedule, logging, signals, and the memory/activation probes."""

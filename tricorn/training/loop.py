@@ -83,7 +83,7 @@ class Trainer:
     unlogged: list = field(default_factory=list)  # results since the last log line (the logger empties it)
     timers: Timers = field(default_factory=Timers.disabled)  # phase timers (--timing-log-level); main.py passes them
     skipped_iterations: int = 0  # optimizer steps skipped for fp16 overflow, this run
-    # Called after each iteration (checkpoint.py: save at --save-interval, exit conditions); True stops training.
+    # Called after each iteration (tricorn/checkpoint/checkpointer.py: save at --save-interval, exit conditions); True stops training.
     on_iteration_end: Optional[Callable[[Trainer], bool]] = None
     step_fences: list = field(default_factory=list)  # CUDA events the next optimizer step waits for (async save staging)
     _nan_first: Optional[torch.Tensor] = None  # [iteration, loss, grad norm] of the first non-finite iteration (device)
@@ -157,6 +157,10 @@ class Trainer:
         self.optimizer.release_gathered()  # ZeRO-3: a unit kept for its (absent) backward is freed
         self.logger.observe_evaluation(time.perf_counter() - start)  # the ETA counts the remaining evaluations
         return total.item() / self.cfg.data.eval_iters  # one host read per evaluation
+
+    def current_lr(self) -> float:
+        """The learning rate of the last iteration run (of iteration 1 before any): what a checkpoint records."""
+        return learning_rate(self.cfg.training, max(self.iteration, 1))
 
     def logs_at(self, iteration: int) -> bool:
         return iteration % self.cfg.logging.log_interval == 0 or iteration == self.cfg.training.train_iters

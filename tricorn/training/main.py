@@ -64,10 +64,10 @@ def build(cfg: Config, state):
     from tricorn.parallel.pipeline.executor import PipelineExecutor
     from tricorn.parallel.recompute import apply_recompute
     from tricorn.parallel.step import forward_backward_no_pipelining
-    from tricorn.parallel.tensor import seed_everything, tensor_parallel_spec
+    from tricorn.parallel.tensor import seed_default_stream, tensor_parallel_spec
     from tricorn.training.activation_probe import attach_trainer_probe
 
-    tracker = seed_everything(cfg.training.seed, state.pp_rank, state.tp_rank, state.device)
+    seed_default_stream(cfg.training.seed, state.pp_rank)
     spec = apply_context_parallel(tensor_parallel_spec(cfg, state.tp_group), state.cp_group, cfg.model.seq_length)
     spec = apply_expert_tensor_parallel(apply_expert_parallel(spec, state.ep_group), cfg, state.tp_group)
     if cfg.model.transformer_impl == "transformer_engine":
@@ -78,7 +78,7 @@ def build(cfg: Config, state):
     # hollow parameters that the DP buckets fill (ZeRO-3: only the owned shard). TE/FP8 modules build as before.
     hollow = cfg.model.transformer_impl != "transformer_engine" and not cfg.training.fp8_format
     chunks = build_model_chunks(cfg, spec, state.pp_rank, state.tp_size, state.device, hollow=hollow)
-    apply_recompute(chunks, cfg.model, tracker)  # --recompute-granularity: checkpoint layers / modules in place
+    apply_recompute(chunks, cfg.model)  # --recompute-granularity: checkpoint layers / modules in place
     for chunk in chunks:
         cast_params(chunk, cfg)
     if cfg.training.fp8_format:
@@ -91,7 +91,7 @@ def build(cfg: Config, state):
     # Counts what iteration 1 saves for backward; write_memory_report reads it after that iteration.
     attach_trainer_probe(chunks, forwards=cfg.num_microbatches * len(chunks))
     forward_backward = PipelineExecutor(cfg, state) if state.pp_size > 1 else forward_backward_no_pipelining
-    return chunks, optimizer, forward_backward, tracker
+    return chunks, optimizer, forward_backward
 
 
 def cast_params(model, cfg: Config) -> None:
@@ -127,12 +127,12 @@ def build_loaders(cfg: Config, state):
 
 
 def build_trainer(cfg: Config, state, logger, with_validation: bool = True):
-    """The whole training setup of this rank: (Trainer, RNG tracker). Used by main() and the benchmarks."""
+    """The whole training setup of this rank. Used by main() and the benchmarks."""
     from tricorn.parallel.expert import MoEMonitor
     from tricorn.timers import Timers
     from tricorn.training.loop import Trainer
 
-    chunks, optimizer, forward_backward, tracker = build(cfg, state)
+    chunks, optimizer, forward_backward = build(cfg, state)
     train_loader, valid_loader = build_loaders(cfg, state)
     timers = Timers(cfg.logging.timing_log_level, state.device)
     trainer = Trainer(
@@ -147,7 +147,7 @@ def build_trainer(cfg: Config, state, logger, with_validation: bool = True):
         timers=timers,
         moe=MoEMonitor.for_model(cfg, chunks, state),
     )
-    return trainer, tracker
+    return trainer
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -158,8 +158,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(format_report(cfg))
         return 0
+    from tricorn.checkpoint.io import load_errors
     from tricorn.parallel.state import destroy_parallel, init_parallel
-    from tricorn.training.checkpoint_io import load_errors
     from tricorn.training.signals import ExitConditions
 
     damaged = load_errors(cfg)  # the --load checkpoint's files, checked alike on every rank before anything starts
@@ -183,17 +183,17 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _train(cfg: Config, state, exits) -> int:
     """Build, load, train, save; 0 on success, 1 on a user-facing error (one line on stderr)."""
+    from tricorn.checkpoint.checkpointer import Checkpointer, CheckpointError
     from tricorn.data.errors import DataError
-    from tricorn.training.checkpoint import Checkpointer, CheckpointError
     from tricorn.training.logging import MetricsLogger
     from tricorn.training.loop import NaNError
 
     logger = MetricsLogger(cfg, state.rank, state.device)
     ckpt = trainer = None
     try:
-        trainer, tracker = build_trainer(cfg, state, logger)
+        trainer = build_trainer(cfg, state, logger)
         logger.startup(state, trainer.chunks, trainer.batch_sizes())  # layout, parameters, FLOPs, memory estimate
-        ckpt = Checkpointer(cfg, state, tracker, logger.console)
+        ckpt = Checkpointer(cfg, state, logger.console)
         ckpt.load(trainer)  # --load: model, optimizer, data position, RNG (any saved layout)
         trainer.on_iteration_end = ckpt.iteration_hook(exits)
         trainer.train()

@@ -15,7 +15,7 @@ A save directory holds
 Nothing here runs a collective; every check is a file check that each rank
 can make on its own before any collective load starts, so a damaged
 checkpoint is one clear error on every rank instead of a hang or a traceback.
-Checksums (tricorn.training.checksums) are computed where each file is written: a shard by the
+Checksums (tricorn.checkpoint.checksums) are computed where each file is written: a shard by the
 rank that writes it, as the bytes go by, on the save's writer thread (a background thread with
 --async-save). Rank 0 gathers them into checksums.json before the checkpoint is published; a load
 verifies them (each rank a share of the files) unless --no-verify-checkpoint.
@@ -42,8 +42,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from tricorn.checkpoint.checksums import ALGORITHM, HashingFileSystem, file_checksum
 from tricorn.config import ModelConfig
-from tricorn.training.checksums import ALGORITHM, HashingFileSystem, file_checksum
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 META_FILE = "meta.json"

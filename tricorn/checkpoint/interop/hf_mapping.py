@@ -1,6 +1,6 @@
 """What corresponds to what between Hugging Face's LlamaForCausalLM and tricorn: configs and tensors.
 
-Pure functions, no files and no collectives (hf_convert.py reads and writes).
+Pure functions, no files and no collectives (hf.py reads and writes).
 The tensor mapping is exact, so a round trip is bit-exact:
     q/k/v_proj       -> attention.wqkv, rows regrouped per key/value group [q heads of the group, k, v]
     gate/up_proj     -> mlp.w1, rows interleaved (w1[0::2] is gate, w1[1::2] is up)

@@ -36,9 +36,8 @@ from typing import Any, Optional
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from tricorn.config import Config, ModelConfig, dump_yaml
-from tricorn.training import checkpoint_io as io
-from tricorn.training.hf_mapping import (
+from tricorn.checkpoint import io
+from tricorn.checkpoint.interop.hf_mapping import (
     ConvertError,
     Mapped,
     expected_shape,
@@ -50,6 +49,7 @@ from tricorn.training.hf_mapping import (
     split,
     tensor_map,
 )
+from tricorn.config import Config, ModelConfig, dump_yaml
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -189,7 +189,7 @@ def _weights_only_meta(params_dtype: str, source: Path) -> dict:
         "lr": 0.0,
         "layout": layout,
         "saved_at": time.time(),
-        # No optimizer state, data position or RNG: a load starts training at iteration 0 (checkpoint.py).
+        # No optimizer state, data position or RNG: a load starts training at iteration 0 (checkpointer.py).
         "weights_only": True,
         "source": f"huggingface:{source.resolve()}",
     }

@@ -11,16 +11,16 @@ optimizer and at any ZeRO stage, loads any other:
     optim.<name>.master            fp32 master weights (only when parameters are bf16/fp16)
 
 A mixture of experts' stacked weights are saved one expert at a time, as model.<...>.experts.<e>.w1 etc.
-with that expert's global index (checkpoint_pieces.py), so the expert-parallel split is free to change;
+with that expert's global index (pieces.py), so the expert-parallel split is free to change;
 the MoE router's expert bias (--moe-router-enable-expert-bias, no optimizer state) is saved whole by one
 rank per pipeline stage and read whole by every rank holding its layer.
 A tied head copy on the last pipeline stage is not saved; it loads from the
-embedding. Non-tensor state is JSON/YAML (checkpoint_io.py): iteration,
+embedding. Non-tensor state is JSON/YAML (io.py): iteration,
 consumed samples, optimizer step, loss scaler, layout, config, and per-rank
 RNG states keyed by grid position (restored only on an identical layout,
 otherwise re-derived from the seed and the iteration).
 
-Streaming (checkpoint_pieces.py): each rank writes only the pieces it owns - per parameter the range of
+Streaming (pieces.py): each rank writes only the pieces it owns - per parameter the range of
 its TP-local tensor that its optimizer shard covers (1/(DP x CP) with the distributed optimizer, at any ZeRO
 stage, 1/expert-DP of the experts under EP; without it DP rank 0's copy, expert-DP rank 0's for experts),
 cut into global rectangles - straight from its live flat buffers:
@@ -64,15 +64,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tricorn.checkpoint import io
+from tricorn.checkpoint.checksums import file_checksums
+from tricorn.checkpoint.io import CheckpointError
+from tricorn.checkpoint.pieces import Piece, owned_parts, owned_tensor
+from tricorn.checkpoint.staging import HostStaging, Staged
 from tricorn.config import Config, dump_yaml
 from tricorn.model.init import INIT_KEY_ATTR, is_expert, is_tp_split
 from tricorn.parallel.state import ParallelState
-from tricorn.training import checkpoint_io as io
-from tricorn.training.checkpoint_io import CheckpointError
-from tricorn.training.checkpoint_pieces import Piece, owned_parts, owned_tensor
-from tricorn.training.checksums import file_checksums
-from tricorn.training.lr_schedule import learning_rate
-from tricorn.training.staging import HostStaging, Staged
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -95,10 +94,9 @@ Where = tuple[tuple[int, ...], list[Piece]]  # a checkpoint tensor's global shap
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, state: ParallelState, tracker: Any, console: Callable[[str], None] = print):
+    def __init__(self, cfg: Config, state: ParallelState, console: Callable[[str], None] = print):
         self.cfg = cfg
         self.state = state
-        self.tracker = tracker  # the model's RNGTracker (tensor-parallel dropout stream)
         self.console = console
         c = cfg.checkpoint
         self.root = Path(c.save) if c.save else None
@@ -135,7 +133,6 @@ class Checkpointer:
         states = {"cpu": torch.get_rng_state()}
         if self.state.device.type == "cuda":
             states["cuda"] = torch.cuda.get_rng_state(self.state.device)
-        states.update({f"tracker.{k}": v.clone() for k, v in self.tracker.states.items()})
         return states
 
     def _meta(self, trainer) -> dict[str, Any]:
@@ -152,7 +149,7 @@ class Checkpointer:
             "optimizer_step": step.item(),
             "optimizer_iteration": getattr(opt, "iteration", trainer.iteration),
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
-            "lr": learning_rate(self.cfg.training, max(trainer.iteration, 1)),
+            "lr": trainer.current_lr(),
             "layout": self.layout(),
             "saved_at": time.time(),
         }
@@ -420,14 +417,12 @@ class Checkpointer:
             torch.set_rng_state(states.pop("cpu"))
             if "cuda" in states:
                 torch.cuda.set_rng_state(states.pop("cuda"), self.state.device)
-            self.tracker.states.update({k.removeprefix("tracker."): v for k, v in states.items()})
+            # Checkpoints written before the RNG tracker was removed also hold "tracker.*" streams: nothing
+            # draws from them any more (dropout masks are keyed, tricorn/model/dropout.py), so they are ignored.
             return
-        from tricorn.parallel.tensor import seed_everything
+        from tricorn.parallel.tensor import seed_default_stream
 
-        fresh = seed_everything(
-            self.cfg.training.seed + int(meta["iteration"]), self.state.pp_rank, self.state.tp_rank, self.state.device
-        )
-        self.tracker.states.update(fresh.states)
+        seed_default_stream(self.cfg.training.seed + int(meta["iteration"]), self.state.pp_rank)
         why = "--no-load-rng" if self.cfg.checkpoint.no_load_rng else "the layout changed"
         self.console(f"checkpoint: RNG states re-derived from the seed and the iteration ({why})")
 

@@ -1,0 +1,1 @@
+"""Conversion between tricorn checkpoints and other tools' formats (`tricorn import-hf` / `export-hf`)."""
