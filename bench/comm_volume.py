@@ -72,9 +72,7 @@ RING = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "
 COLLECTIVES = {
     "all_reduce": ("all_reduce", 2),
     "reduce_scatter_single": ("reduce_scatter", 3),
-    "reduce_scatter_tensor": ("reduce_scatter", 3),
     "all_gather_single": ("all_gather", 2),
-    "all_gather_into_tensor": ("all_gather", 2),
     "all_gather": ("all_gather", 2),
     "broadcast": ("broadcast", 2),
     "all_to_all_single": ("all_to_all", 4),  # MoE dispatch; the TP/SP reduce-scatter on gloo (parallel/tensor.py)

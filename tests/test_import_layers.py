@@ -53,3 +53,28 @@ def test_checker_sees_lazy_imports(tmp_path):
     f = tmp_path / "x.py"
     f.write_text("def f():\n    from tricorn.training.loop import Trainer\n")
     assert "tricorn.training.loop" in imported_modules(f)
+
+
+def test_future_warnings_from_tricorn_are_errors_under_make_test():
+    """`make test` sets TRICORN_STRICT_WARNINGS=1: a FutureWarning attributed to a tricorn module raises, one from
+    elsewhere stays a warning. Checked in a fresh interpreter, as a rank would start."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, tricorn\n"
+        "warnings.warn_explicit('elsewhere', FutureWarning, 'x.py', 1, module='torch.distributed')\n"
+        "try:\n"
+        "    warnings.warn_explicit('ours', FutureWarning, 'x.py', 1, module='tricorn.parallel.tensor')\n"
+        "except FutureWarning:\n"
+        "    print('raised')\n"
+    )
+    env = {**os.environ, "TRICORN_STRICT_WARNINGS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "raised", out.stdout + out.stderr
+    assert "elsewhere" in out.stderr
+    lax = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "TRICORN_STRICT_WARNINGS": "0"}, capture_output=True, text=True, timeout=60
+    )
+    assert lax.stdout.strip() == "" and "ours" in lax.stderr

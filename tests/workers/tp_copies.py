@@ -55,7 +55,7 @@ class _Work:
         return _uncounted(self.work.wait)()
 
 
-for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"):
+for name in ("all_gather_single", "reduce_scatter_single", "all_reduce", "all_to_all_single"):
     setattr(dist, name, _uncounted(getattr(dist, name)))
 
 

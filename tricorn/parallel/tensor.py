@@ -72,15 +72,15 @@ class _Then:
         self.then()
 
 
-def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
-    """dist.reduce_scatter_tensor(out, x): the sum over ranks of x's rank-th dim-0 block lands in `out`.
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """dist.reduce_scatter_single(out, x): the sum over ranks of x's rank-th dim-0 block lands in `out`.
 
     On gloo, an all_to_all of the blocks and a local sum instead: gloo runs reduce_scatter as slowly as an
     all-reduce of the whole tensor (2 CPU ranks, 1 MB: 1.5-2.2 ms against 1.2-1.6 ms for the all-reduce
     and 0.8 ms for this), while all_to_all moves exactly a reduce-scatter's bytes. Other backends (NCCL)
     run their own reduce-scatter."""
     if dist.get_backend(group) != "gloo":
-        return dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)
+        return dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
     blocks = torch.empty_like(x)  # block r: rank r's contribution to this rank's part
     work = dist.all_to_all_single(blocks, x, group=group, async_op=async_op)
 
@@ -100,7 +100,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch
         return x
     x = _dim_major(x, dim)
     out = x.new_empty((world * x.shape[0],) + x.shape[1:])
-    dist.all_gather_into_tensor(out, x, group=group)
+    dist.all_gather_single(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -111,7 +111,7 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> t
         return x
     x = _dim_major(x, dim)
     out = x.new_empty((x.shape[0] // world,) + x.shape[1:])
-    reduce_scatter_tensor(out, x, group)
+    reduce_scatter_single(out, x, group)
     return out.movedim(0, dim)
 
 
@@ -153,11 +153,11 @@ class _GatherLinear(torch.autograd.Function):
         group, world = ctx.group, dist.get_world_size(ctx.group)
         shard = x.contiguous()
         gathered = shard.new_empty((world * shard.shape[0],) + shard.shape[1:])
-        gather = dist.all_gather_into_tensor(gathered, shard, group=group, async_op=True)
+        gather = dist.all_gather_single(gathered, shard, group=group, async_op=True)
         grad_input = grad.matmul(weight)  # [s, b, in], contiguous; overlaps the all-gather
         grad_shard = grad_input.new_empty((grad_input.shape[0] // world,) + grad_input.shape[1:])
         gather.wait()
-        scatter = reduce_scatter_tensor(grad_shard, grad_input, group, async_op=True)
+        scatter = reduce_scatter_single(grad_shard, grad_input, group, async_op=True)
         grad2d = grad.reshape(-1, grad.shape[-1])
         grad_weight = grad2d.t().matmul(gathered.view(-1, gathered.shape[-1]))  # overlaps the reduce-scatter
         grad_bias = grad2d.sum(0) if ctx.has_bias else None
