@@ -19,8 +19,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tricorn.planning import calibration as cal  # noqa: E402
+from tricorn.planning.efficiency import Efficiency  # noqa: E402
 from tricorn.planning.plan_checks import compare_with_published  # noqa: E402
-from tricorn.planning.step_time import Efficiency  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

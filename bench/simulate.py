@@ -15,8 +15,8 @@ import argparse
 import time
 
 from tricorn.config import config_from_args
+from tricorn.plan_cli import verify
 from tricorn.planning.hardware import get_gpu
-from tricorn.planning.plan_checks import verify
 from tricorn.planning.planner import plan
 from tricorn.planning.step_time import Cluster
 from tricorn.simulate import ratio

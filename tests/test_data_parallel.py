@@ -15,7 +15,7 @@ from torch import nn
 from tricorn.config import MIN_BUCKET_ELEMENTS, ModelConfig, config_from_args, default_bucket_elements
 from tricorn.model import GPTModel
 from tricorn.parallel.data_parallel import Bucket, DataParallel, DPOptions, dp_options, plan_param_buckets
-from tricorn.planning.memory import Layout
+from tricorn.planning.layout import Layout
 from tricorn.validation import validate
 
 WORKER = Path(__file__).parent / "workers" / "dist_opt.py"

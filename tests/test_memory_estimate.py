@@ -10,7 +10,8 @@ import torch
 from tricorn.config import ModelConfig
 from tricorn.planning import estimate as estimate_cli
 from tricorn.planning import memory
-from tricorn.planning.memory import KORTHIKANTI, Layout
+from tricorn.planning.layout import Layout
+from tricorn.planning.memory import KORTHIKANTI
 from tricorn.training.activation_probe import ActivationProbe
 
 

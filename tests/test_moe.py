@@ -323,7 +323,8 @@ def test_planning_counts_expert_parallel_params_and_all_to_all_volume():
     import dataclasses
 
     from tricorn.config import PRESETS
-    from tricorn.planning.memory import Layout, estimate, expert_params, stage_params_per_rank
+    from tricorn.planning.layout import Layout
+    from tricorn.planning.memory import estimate, expert_params, stage_params_per_rank
     from tricorn.planning.step_time import ep_all_to_all_bytes, ep_rows_per_token
 
     mixtral = ModelConfig(**PRESETS["mixtral-8x7b"])

@@ -8,12 +8,14 @@ import re
 
 import pytest
 
+from tricorn import plan_cli
 from tricorn.config import PRESETS, ModelConfig, config_from_args
 from tricorn.planning import calibration as cal
 from tricorn.planning import plan_checks, planner, sbatch
+from tricorn.planning.efficiency import Efficiency
 from tricorn.planning.hardware import get_gpu
-from tricorn.planning.memory import Layout
-from tricorn.planning.step_time import Cluster, Efficiency, RunFeatures, step_time
+from tricorn.planning.layout import Layout
+from tricorn.planning.step_time import Cluster, RunFeatures, step_time
 
 H100 = get_gpu("h100-80gb")
 
@@ -152,13 +154,13 @@ def test_uneven_pipeline_split_and_new_dimensions_reach_the_flags() -> None:
 
 def test_every_time_figure_has_an_interval(capsys) -> None:
     argv = "--model-preset llama2-13b --gpus 16 --gpu-type h100-80gb --seq-length 4096 --global-batch-size 256 --top-k 4"
-    assert planner.main([*argv.split(), "--json"]) == 0
+    assert plan_cli.main([*argv.split(), "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)
     for p in plans:
         for name in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "hw_tflops_per_gpu", "mfu", "hfu"):
             assert p[f"{name}_p10"] < p[name] < p[f"{name}_p90"], name
         assert p["hfu"] >= p["mfu"]  # hardware FLOPs add recompute and flash attention's backward
-    assert planner.main(argv.split()) == 0
+    assert plan_cli.main(argv.split()) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if re.match(r"\s*\d+[= ] ", line)]
     assert len(rows) == 4 and all(row.count("[") == 5 for row in rows)  # step s, tokens/s, TFLOP/s, MFU, HFU

@@ -8,10 +8,11 @@ import subprocess
 
 import pytest
 
+from tricorn import plan_cli
 from tricorn.config import PRESETS, ModelConfig
 from tricorn.planning import planner, sbatch
 from tricorn.planning.hardware import GiB, get_gpu
-from tricorn.planning.memory import Layout
+from tricorn.planning.layout import Layout
 from tricorn.planning.step_time import Cluster, step_time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +20,7 @@ H100 = get_gpu("h100-80gb")
 
 
 def plan_json(argv: list[str], capsys) -> list[dict]:
-    assert planner.main([*argv, "--json"]) == 0
+    assert plan_cli.main([*argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -51,14 +52,14 @@ def test_llama2_7b_on_8_h100(capsys) -> None:
 
 def test_text_table(capsys) -> None:
     argv = "--model-preset llama2-13b --gpus 16 --gpu-type a100-80gb --seq-length 4096 --global-batch-size 512"
-    assert planner.main(argv.split()) == 0
+    assert plan_cli.main(argv.split()) == 0
     out = capsys.readouterr().out
     assert "TFLOP/s/GPU" in out and "MFU" in out and "mem/GPU" in out and "layouts considered" in out
 
 
 def test_70b_on_one_gpu_says_what_is_missing(capsys) -> None:
     argv = "--model-preset llama2-70b --gpus 1 --gpu-type h100-80gb --seq-length 4096 --global-batch-size 8"
-    assert planner.main(argv.split()) == 1
+    assert plan_cli.main(argv.split()) == 1
     err = capsys.readouterr().err
     assert "does not fit on 1 x h100-80gb" in err
     assert "GiB per GPU" in err and "model state alone" in err and "needs at least" in err
@@ -68,7 +69,7 @@ def test_70b_on_one_gpu_says_what_is_missing(capsys) -> None:
 def test_no_divisible_layout_is_explained(capsys) -> None:
     # 37 GPUs: prime, more than the 32 layers (PP 37 is impossible even unevenly) and no DP divides the batch of 3.
     argv = "--model-preset llama2-7b --gpus 37 --gpu-type h100-80gb --seq-length 4096 --global-batch-size 3"
-    assert planner.main(argv.split()) == 1
+    assert plan_cli.main(argv.split()) == 1
     assert "no layout divides evenly" in capsys.readouterr().err
 
 
@@ -86,7 +87,7 @@ def test_max_model_is_monotone_in_gpus() -> None:
 
 def test_max_model_cli(capsys) -> None:
     argv = "--model-preset llama2-70b --gpus 64 --gpu-type h100-80gb --seq-length 4096 --global-batch-size 1024 --max-model"
-    assert planner.main(argv.split()) == 0
+    assert plan_cli.main(argv.split()) == 0
     out = capsys.readouterr().out
     assert "largest llama2-70b-family model" in out and "B parameters" in out
 
@@ -122,11 +123,11 @@ def test_more_gpus_plan_faster() -> None:
 @pytest.mark.parametrize("name", list(sbatch.CHECKED_IN))
 def test_checked_in_sbatch_scripts_are_what_the_planner_writes(name: str, tmp_path) -> None:
     out = tmp_path / f"{name}.sbatch"
-    assert planner.main([*sbatch.checked_in_argv(name), "--emit-sbatch", str(out), "--quiet"]) == 0
+    assert plan_cli.main([*sbatch.checked_in_argv(name), "--emit-sbatch", str(out), "--quiet"]) == 0
     checked_in = os.path.join(REPO, "scripts", "slurm", f"{name}.sbatch")
     with open(checked_in) as fh:
         expected = fh.read()
-    assert out.read_text() == expected, f"regenerate with: python -m tricorn.planning.sbatch --regenerate ({name})"
+    assert out.read_text() == expected, f"regenerate with: python -m tricorn.plan_cli --regenerate ({name})"
     assert os.access(checked_in, os.X_OK)
 
 

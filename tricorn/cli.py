@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "tricorn.simulate:main",
         "run the real build and training at real size on fake tensors; peak memory vs estimate",
     ),
-    "plan": ("tricorn.planning.planner:main", "rank parallel layouts for a cluster, write sbatch scripts"),
+    "plan": ("tricorn.plan_cli:main", "rank parallel layouts for a cluster, write sbatch scripts"),
     "import-hf": ("tricorn.checkpoint.interop.hf:import_main", "Hugging Face Llama (safetensors) -> tricorn checkpoint"),
     "export-hf": ("tricorn.checkpoint.interop.hf:export_main", "tricorn checkpoint (any layout) -> Hugging Face Llama"),
     "tb": ("tricorn.training.tb:main", "start TensorBoard on 127.0.0.1 and print the URL"),

@@ -46,7 +46,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tricorn.config import Config, ConfigError, build_parser
 from tricorn.data.base import Batch
 from tricorn.planning.hardware import GiB
-from tricorn.planning.memory import Layout, estimate
+from tricorn.planning.layout import Layout
+from tricorn.planning.memory import estimate
 
 KEYS = (
     "peak_bytes",

@@ -91,7 +91,7 @@ from tricorn.config import ModelConfig
 from tricorn.model.lean import CE_CHUNK_ELEMENTS
 
 if TYPE_CHECKING:
-    from tricorn.planning.memory import Layout
+    from tricorn.planning.layout import Layout
 
 
 @dataclass(frozen=True)

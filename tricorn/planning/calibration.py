@@ -21,7 +21,6 @@ No collectives, no device work.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -29,16 +28,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 from tricorn.config import ModelConfig
+from tricorn.planning.efficiency import FIT_FILE, FIT_GPU, Efficiency, efficiency_for, interval, stored, with_interval  # noqa: F401 - the fit's readers, re-exported
 from tricorn.planning.flops import megatron_flops, narayanan_flops
 from tricorn.planning.hardware import get_gpu
-from tricorn.planning.memory import Layout
-from tricorn.planning.step_time import Cluster, Efficiency, RunFeatures, step_time
+from tricorn.planning.layout import Layout
+from tricorn.planning.step_time import Cluster, RunFeatures, step_time
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 RUNS_FILE = os.path.join(DATA_DIR, "published_runs.json")
-FIT_FILE = os.path.join(DATA_DIR, "step_time_calibration.json")
 PRIOR_WEIGHT = 0.02  # per factor, on the squared log deviation from the default: weak next to ~10 runs' errors
-FIT_GPU = {"h200-141gb": "h100-80gb"}  # same chip as the H100, more HBM: the H100's factors apply
 
 
 @dataclass
@@ -279,30 +277,3 @@ def calibrate(runs: Optional[list[Run]] = None, sources: bool = True) -> dict:
         leave_one_out=rounded(loo),
         leave_one_source_out=rounded(loso),
     )
-
-
-# ---------------------------------------------------------------- what the planner reads
-
-
-@functools.lru_cache(maxsize=1)
-def stored() -> dict:
-    with open(FIT_FILE) as fh:
-        return json.load(fh)
-
-
-def efficiency_for(gpu_name: str) -> Efficiency:
-    """The calibrated factors of a GPU type (the defaults for a type no published run covers)."""
-    factors = stored()["factors"].get(FIT_GPU.get(gpu_name, gpu_name))
-    return Efficiency(**factors) if factors else Efficiency()
-
-
-def interval() -> tuple[float, float]:
-    """(p10, p90) of measured / predicted seconds out of sample: a predicted time T lies in [T x p10, T x p90]."""
-    p10, _, p90 = stored()["leave_one_out_p10_p50_p90"]
-    return p10, p90
-
-
-def with_interval(seconds: float) -> tuple[float, float]:
-    """(p10, p90) seconds of a predicted time."""
-    lo, hi = interval()
-    return seconds * lo, seconds * hi

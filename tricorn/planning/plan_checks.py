@@ -2,12 +2,10 @@
 
 - ``explain_impossible`` / ``min_gpus``: when no layout fits, the leanest one's memory beside the device's and
   the smallest power-of-two GPU count that would fit (the memory-lean search of planner.lean_fit);
-- ``verify``: the chosen layout's real build and one training iteration on fake tensors (tricorn/simulate.py,
-  `tricorn plan --verify`, bench/simulate.py);
 - ``compare_with_published``: the planner's choice against a published Megatron-LM layout
   (tests/test_plan_calibration.py, bench/plan_calibration.py).
 
-No collectives, no device work (``verify`` runs the simulation on the CPU).
+No collectives, no device work. (`tricorn plan --verify`, the real build on fake tensors, is tricorn/plan_cli.py's.)
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from tricorn.config import ModelConfig
 from tricorn.planning import calibration
 from tricorn.planning.hardware import GiB
 from tricorn.planning.memory import bytes_per_param, total_params
-from tricorn.planning.planner import Plan, PlanResult, evaluate, layout_text, lean_fit, plan
+from tricorn.planning.planner import PlanResult, evaluate, layout_text, lean_fit, plan
 from tricorn.planning.step_time import Cluster
 
 
@@ -56,17 +54,6 @@ def min_gpus(model: ModelConfig, cluster: Cluster, global_batch: int, precision:
             return n
         n *= 2
     return None
-
-
-def verify(name: str, model: ModelConfig, top: Plan, gpus: int, gbs: int, precision: str) -> tuple[list[str], list[dict]]:
-    """(flags, records): the top layout's real build and one training iteration on fake tensors (tricorn/simulate.py)."""
-    from tricorn.planning import sbatch
-    from tricorn.simulate import config_for_simulation, default_ranks, simulate
-
-    flags = [*sbatch.model_args(name, model), "--seq-length", str(model.seq_length), f"--{precision}"]
-    flags += sbatch.layout_args(top.layout, gbs)
-    cfg = config_for_simulation(flags, gpus)
-    return flags, simulate(cfg, default_ranks(cfg), iters=1)
 
 
 def compare_with_published(run: calibration.Run) -> str:

@@ -1,7 +1,5 @@
-"""`tricorn plan`: enumerate parallel layouts for a cluster, keep those that fit, rank them by predicted step time.
-
-    tricorn plan --model-preset llama2-70b --gpus 64 --gpu-type h100-80gb --seq-length 4096 --global-batch-size 1024
-    tricorn plan ... --json | --max-model | --emit-sbatch scripts/slurm/llama2-70b.sbatch
+"""The layout search behind `tricorn plan` (tricorn/plan_cli.py): enumerate parallel layouts for a cluster, keep
+those that fit, rank them by predicted step time.
 
 Enumerated: TP (a divisor of the GPUs per node that divides the heads, key/value groups and ffn width), CP
 (2, 4, ..., 32 for sequences of CP_MIN_SEQ tokens or more, while each rank keeps >= 1024 tokens), PP (any
@@ -24,19 +22,17 @@ No collectives, no device work.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tricorn.config import ConfigError, ModelConfig, config_from_args
+from tricorn.config import ModelConfig
 from tricorn.planning import calibration
 from tricorn.planning.flops import iteration_flops
-from tricorn.planning.hardware import GiB, get_gpu
-from tricorn.planning.memory import Layout, active_params, estimate, total_params
+from tricorn.planning.hardware import GiB
+from tricorn.planning.layout import Layout
+from tricorn.planning.memory import estimate, total_params
 from tricorn.planning.step_time import Cluster, step_time
 
 CP_MIN_SEQ = 8192  # below this, CP's split attention costs more than its memory saving is worth
@@ -255,7 +251,7 @@ def _why(p: Plan, best: Plan) -> str:
     a, b = p.layout, best.layout
     if _extra_work(a) != _extra_work(b):
         less = "less" if _extra_work(a) < _extra_work(b) else "more"
-        parts = [f"recompute {_recompute_text(a)} vs {_recompute_text(b)}"] if _extra_work(a)[0] != _extra_work(b)[0] else []
+        parts = [f"recompute {recompute_text(a)} vs {recompute_text(b)}"] if _extra_work(a)[0] != _extra_work(b)[0] else []
         parts += [f"ZeRO-{a.zero_stage} vs ZeRO-{b.zero_stage}"] if _extra_work(a)[1] != _extra_work(b)[1] else []
         return f"tie with the fastest; {less} extra work ({', '.join(parts)})"
     for name, mine, theirs in (
@@ -389,25 +385,6 @@ def max_model(base: ModelConfig, cluster: Cluster, global_batch: int, precision:
 # ---------------------------------------------------------------- command line
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tricorn plan", add_help=False)
-    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job.")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (TP stays within a node).")
-    p.add_argument("--gpu-type", default="h100-80gb", help="a100-80gb | h100-80gb | h200-141gb.")
-    p.add_argument("--memory-margin", type=float, default=0.10, help="Fraction of device memory kept free (default 0.10).")
-    p.add_argument("--top-k", type=int, default=5, help="Layouts to print.")
-    p.add_argument("--json", action="store_true", help="Print a JSON list of records.")
-    p.add_argument("--max-model", action="store_true", help="Largest model of the preset's family that fits.")
-    p.add_argument("--emit-sbatch", metavar="FILE", help="Write an sbatch script for the top layout.")
-    p.add_argument("--time", default="24:00:00", help="Time limit of each job in the sbatch script.")
-    p.add_argument("--train-tokens", type=float, default=1e12, help="Tokens to train on (sets --train-iters).")
-    p.add_argument(
-        "--verify", action="store_true", help="Simulate the top layout (tricorn simulate) and print measured beside estimated."
-    )
-    p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
-    return p
-
-
 def layout_text(lay: Layout) -> str:
     zero = f"ZeRO-{lay.zero_stage}" if lay.zero_stage else "no distributed optimizer"
     split = (
@@ -416,179 +393,11 @@ def layout_text(lay: Layout) -> str:
     return (
         f"TP {lay.tp}, PP {lay.pp}{split}, VPP {lay.vpp}, CP {lay.cp}, DP {lay.dp}{f' (EP {lay.ep})' if lay.ep > 1 else ''}, "
         f"micro batch {lay.micro_batch}, "
-        f"{zero}, recompute {_recompute_text(lay)}"
+        f"{zero}, recompute {recompute_text(lay)}"
     )
 
 
-def _iv(p: Plan, name: str, fmt: str) -> str:
-    lo, hi = p.bounds(name)
-    return f"{format(getattr(p, name), fmt)} [{format(lo, fmt)}-{format(hi, fmt)}]"
-
-
-def _recompute_text(lay: Layout) -> str:
+def recompute_text(lay: Layout) -> str:
     if lay.recompute == "selective":
         return "sel:" + "+".join(m.replace("core_attn", "attn") for m in lay.recompute_modules)
     return lay.recompute or "none"
-
-
-def _table(plans: list[Plan]) -> str:
-    head = (
-        " #  TP PP VPP CP  DP  EP  mb  recompute       ZeRO  mem/GPU  step s [p10-p90]      tokens/s [p10-p90]      "
-        "TFLOP/s/GPU      MFU [p10-p90]        HFU [p10-p90]        why"
-    )
-    rows = [head]
-    for i, p in enumerate(plans, 1):
-        lay = p.layout
-        pp = f"{lay.pp}" if lay.first_stage_layers is None else f"{lay.pp}*"
-        rows.append(
-            f"{i:2d}{'=' if p.tie else ' '}{lay.tp:3d} {pp:>2} {lay.vpp:3d} {lay.cp:2d} {lay.dp:3d} {lay.ep:3d} {lay.micro_batch:3d}  "
-            f"{_recompute_text(lay):<15} {lay.zero_stage:4d} {p.memory_bytes / GiB:5.1f} GiB  {_iv(p, 'step_time_s', '.2f'):<21}"
-            f"{_iv(p, 'tokens_per_s', '.0f'):<24}{_iv(p, 'tflops_per_gpu', '.0f'):<17}"
-            f"{_iv(p, 'mfu', '.1%'):<21}{_iv(p, 'hfu', '.1%'):<21}{p.why}"
-        )
-    if any(p.layout.first_stage_layers is not None for p in plans):
-        rows.append("PP*: uneven split, the first and last stages hold the remainder (--decoder-first/last-pipeline-num-layers)")
-    lo, hi = plans[0].interval if plans else (1.0, 1.0)
-    rows.append(
-        f"= : tie, its p10-p90 interval overlaps the fastest layout's. Intervals: x{lo:.2f}-x{hi:.2f} of the predicted "
-        "time, the leave-one-out error on published Megatron-LM runs (bench/plan_calibration.py)."
-    )
-    return "\n".join(rows)
-
-
-def _emit(path: str, name: str, model: ModelConfig, top: Plan, cluster: Cluster, argv: list[str], args, gbs: int) -> None:
-    from tricorn.planning import sbatch
-
-    n = total_params(model)
-    train = sbatch.model_args(name, model) + ["--seq-length", str(model.seq_length)] + sbatch.layout_args(top.layout, gbs)
-    train += sbatch.llama_hyperparameters(n, gbs * model.seq_length, args.train_tokens)
-    save_every = max(10, int(1800 / top.step_time_s) // 10 * 10)  # about every 30 minutes
-    train += ["--save-interval", str(save_every), "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "10"]
-    job = sbatch.SbatchJob(
-        job_name=f"tricorn-{name}",
-        nodes=max(1, cluster.gpus // cluster.gpus_per_node),
-        tasks_per_node=min(cluster.gpus, cluster.gpus_per_node),
-        gpus_per_node=min(cluster.gpus, cluster.gpus_per_node),
-        time=args.time,
-        train_args=train,
-        comments=[
-            "Generated by: tricorn plan " + " ".join(_canonical(argv)),
-            f"Layout: {layout_text(top.layout)}",
-            f"Predicted by tricorn's step-time model: {top.memory_bytes / GiB:.1f} GiB per GPU, "
-            f"{_iv(top, 'step_time_s', '.1f')} s per iteration,",
-            f"  {_iv(top, 'tokens_per_s', ',.0f')} tokens/s, {_iv(top, 'tflops_per_gpu', '.0f')} TFLOP/s per GPU, "
-            f"MFU {_iv(top, 'mfu', '.1%')} (p10-p90 intervals); {top.why}",
-        ],
-    )
-    sbatch.write_script(path, sbatch.render(job))
-
-
-def _canonical(argv: list[str]) -> list[str]:
-    """The command line without where the script went, so regenerating it anywhere gives the same text."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--emit-sbatch":
-            skip = True
-        elif a != "--quiet" and not a.startswith("--emit-sbatch="):
-            out.append(a)
-    return out + ["--emit-sbatch", "FILE"]
-
-
-def _active_note(model: ModelConfig) -> str:
-    """ " (12.88 B active per token)" for a mixture of experts, else nothing."""
-    return f" ({active_params(model) / 1e9:.2f} B active per token)" if model.num_experts else ""
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        print(
-            _parser().format_help() + "\nModel flags: --model-preset NAME or pretrain_gpt.py's model flags; "
-            "--seq-length, --global-batch-size; --fp16 or --fp8-format (default bf16); --peak-tflops."
-        )
-        return 0
-    try:
-        args, rest = _parser().parse_known_args(argv)
-        cfg = config_from_args(rest, world_size=args.gpus)
-        gpu = get_gpu(args.gpu_type)
-        model = cfg.model
-        if model.vocab_size is None:
-            raise ConfigError("the vocabulary size is unknown: pass --vocab-size N")
-        if args.gpus < 1 or args.gpus_per_node < 1:
-            raise ConfigError("--gpus and --gpus-per-node must be at least 1")
-        gbs = cfg.training.global_batch_size if "--global-batch-size" in rest else None
-        if gbs is None:
-            raise ConfigError("pass --global-batch-size (samples per iteration)")
-        precision = "fp16" if cfg.training.fp16 else "bf16"
-        peak = cfg.logging.peak_tflops or gpu.peak_tflops("fp8" if cfg.training.fp8_format else precision)
-        cluster = Cluster(args.gpus, args.gpus_per_node, gpu, peak, args.memory_margin)
-    except (ConfigError, ValueError) as e:
-        print(f"tricorn plan: error: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # argparse already printed the problem
-        return int(e.code or 2)
-    name = cfg.model_preset or f"{model.num_layers}x{model.hidden_size}"
-    if args.max_model:
-        best = max_model(model, cluster, gbs, precision)
-        if args.json:
-            print(json.dumps(best, indent=2))
-        elif best is None:
-            print(f"tricorn plan: no model of the {name} family fits {args.gpus} x {gpu.name} at global batch {gbs}")
-        else:
-            lay = best["layout"]
-            print(
-                f"largest {name}-family model on {args.gpus} x {gpu.name} at seq {model.seq_length}, global batch {gbs}: "
-                f"{best['num_layers']} layers x hidden {best['hidden_size']} ({best['num_attention_heads']} heads, "
-                f"{best['num_query_groups']} kv groups, ffn {best['ffn_hidden_size']}) = {best['params'] / 1e9:.1f} B parameters\n"
-                f"  fits with TP {lay['tp']}, PP {lay['pp']}, DP {lay['dp']}, "
-                f"{'ZeRO-' + str(lay['zero_stage']) if lay['zero_stage'] else 'no distributed optimizer'}, full recompute, "
-                f"micro batch 1: {best['memory_gb']} GiB per GPU on {best['gpus_used']} GPUs"
-            )
-        return 0 if best is not None else 1
-    result = plan(model, cluster, gbs, precision, args.top_k)
-    if not result.plans:
-        from tricorn.planning.plan_checks import explain_impossible
-
-        print(f"tricorn plan: {explain_impossible(model, name, cluster, gbs, result, precision)}", file=sys.stderr)
-        if args.json:
-            print("[]")
-        return 1
-    if args.emit_sbatch:
-        _emit(args.emit_sbatch, name, model, result.plans[0], cluster, argv, args, gbs)
-    if args.quiet:
-        return 0
-    if args.json:
-        plans = [p.to_dict() for p in result.plans]
-        if args.verify:  # the top plan's record gains the simulation's records
-            from tricorn.planning.plan_checks import verify
-
-            plans[0]["verify"] = verify(name, model, result.plans[0], args.gpus, gbs, precision)[1]
-        print(json.dumps(plans, indent=2))
-        return 0
-    print(
-        f"{name}: {total_params(model) / 1e9:.2f} B parameters{_active_note(model)}, seq {model.seq_length}, global batch {gbs}, {precision} on "
-        f"{args.gpus} x {gpu.name} ({args.gpus_per_node} per node), {cluster.usable_bytes / GiB:.1f} GiB usable per GPU\n"
-        f"{result.considered} layouts considered, {result.fitting} fit, {result.ties} tie with the fastest; "
-        f"top {len(result.plans)}, ties first (simplest first), then by predicted tokens/s:\n" + _table(result.plans)
-    )
-    fast = result.fastest
-    if fast is not None and fast not in result.plans:
-        print(
-            f"fastest predicted (not preferred, see 'why'): {layout_text(fast.layout)}: {_iv(fast, 'step_time_s', '.2f')} s, "
-            f"{_iv(fast, 'tokens_per_s', '.0f')} tokens/s, MFU {_iv(fast, 'mfu', '.1%')}, {fast.memory_bytes / GiB:.1f} GiB"
-        )
-    if args.emit_sbatch:
-        print(f"wrote {args.emit_sbatch} for layout 1")
-    if args.verify:
-        from tricorn.planning.plan_checks import verify
-        from tricorn.simulate import format_table
-
-        flags, records = verify(name, model, result.plans[0], args.gpus, gbs, precision)
-        print(
-            f"\nverify layout 1: tricorn simulate {' '.join(flags)} --world-size {args.gpus} (one iteration; estimated "
-            "here for the CPU the simulation runs on - the table above adds the GPU's CUDA context and kernels):\n"
-            + format_table(records)
-        )
-    return 0

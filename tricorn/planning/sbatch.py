@@ -11,7 +11,7 @@ The script (see scripts/slurm/README.md):
 - passes --data-cache-path on shared storage (the run directory): rank 0 builds the sample-index cache
   first (data/cache.py, a barrier), every other rank and every requeue reads it.
 
-``python -m tricorn.planning.sbatch --regenerate`` rewrites scripts/slurm/*.sbatch from ``CHECKED_IN``.
+``python -m tricorn.plan_cli --regenerate`` rewrites scripts/slurm/*.sbatch from ``CHECKED_IN``.
 No collectives, no device work.
 """
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import os
 import shlex
-import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -292,24 +291,3 @@ def layout_args(layout, global_batch: int) -> list[str]:
     if layout.dp * layout.cp > 1:
         args.append("--overlap-grad-reduce")
     return args
-
-
-def regenerate(names: Optional[list[str]] = None) -> list[str]:
-    """Rewrite scripts/slurm/NAME.sbatch for each checked-in name; returns the paths."""
-    from tricorn.planning.planner import main as plan_main
-
-    paths = []
-    for name in names or list(CHECKED_IN):
-        path = os.path.normpath(os.path.join(SLURM_DIR, f"{name}.sbatch"))
-        if plan_main([*checked_in_argv(name), "--emit-sbatch", path, "--quiet"]) != 0:
-            raise SystemExit(f"tricorn plan failed for {name}")
-        paths.append(path)
-    return paths
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["--regenerate"]:
-        print("usage: python -m tricorn.planning.sbatch --regenerate", file=sys.stderr)
-        sys.exit(2)
-    for p in regenerate():
-        print(p)

@@ -38,27 +38,14 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from tricorn.config import ModelConfig
-from tricorn.planning.hardware import BUS_EFFICIENCY, GPUSpec
-from tricorn.planning.memory import Layout, activation_element_bytes, stage_layer_counts, stage_params_per_rank
+from tricorn.planning.efficiency import Efficiency, efficiency_for
+from tricorn.planning.hardware import GPUSpec
+from tricorn.planning.layout import Layout
+from tricorn.planning.memory import activation_element_bytes, stage_layer_counts, stage_params_per_rank
 
 HALF_DIM = 128  # a GEMM or attention block this small in its smallest dimension runs at half its large-size speed
 ELEMENTWISE_OVERHEAD = 0.15
 OPTIMIZER_BYTES_PER_PARAM = 32
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """Fractions of the datasheet figure the work reaches: GEMMs, attention core, NVLink and network collectives.
-
-    The defaults (typical figures, nccl-tests' busbw for the links) are the fit's starting point and prior."""
-
-    gemm: float = 0.75
-    attention: float = 0.50
-    nvlink: float = BUS_EFFICIENCY["nvlink"]
-    network: float = BUS_EFFICIENCY["network"]
-
-    def as_dict(self) -> dict:
-        return dict(gemm=self.gemm, attention=self.attention, nvlink=self.nvlink, network=self.network)
 
 
 @dataclass(frozen=True)
@@ -87,8 +74,6 @@ class Cluster:
     def eff(self) -> Efficiency:
         if self.efficiency is not None:
             return self.efficiency
-        from tricorn.planning.calibration import efficiency_for
-
         return efficiency_for(self.gpu.name)
 
 

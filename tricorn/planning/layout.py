@@ -1,0 +1,76 @@
+"""Layout: everything besides the model's shape that decides a rank's memory and time (a plain record).
+
+A leaf of planning/: the memory estimator (memory.py, activations.py), the step-time model and the planner all
+read it; Layout.from_config maps the trainer's config onto it. No arithmetic beyond the bucket size lives here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from tricorn.config import Config, default_bucket_elements
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything besides the model shape that decides per-rank memory (a plain record the planner enumerates)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    micro_batch: int = 1
+    num_microbatches: int = 1
+    sequence_parallel: bool = False
+    recompute: Optional[str] = None  # None | "selective" | "full"
+    recompute_method: Optional[str] = None  # "uniform" | "block"
+    recompute_num_layers: Optional[int] = None
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    zero_stage: int = 0  # 0: no distributed optimizer
+    precision: str = "bf16"
+    grads_16bit: bool = False
+    schedule: str = "1f1b"
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    device: str = "cuda"
+    ddp_bucket_elements: Optional[int] = None  # --ddp-bucket-size; None: the default (config.default_bucket_elements)
+    ep: int = 1  # expert parallel: ranks of DP x CP that split the MoE experts
+    etp: int = 1  # expert tensor parallel: 1 (routed experts replicated over TP) or TP (split like the dense MLP)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def bucket_elements(self, chunk_params: float) -> int:
+        """DP bucket size for a model chunk of `chunk_params` parameters (what DataParallel picks)."""
+        return self.ddp_bucket_elements or default_bucket_elements(self.dp * self.cp, int(chunk_params))
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Layout:
+        m, p, t = cfg.model, cfg.parallel, cfg.training
+        return cls(
+            tp=p.tensor_model_parallel_size,
+            pp=p.pipeline_model_parallel_size,
+            cp=p.context_parallel_size,
+            dp=cfg.data_parallel_size,
+            vpp=cfg.virtual_stages,
+            micro_batch=t.micro_batch_size,
+            num_microbatches=cfg.num_microbatches,
+            sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1,
+            recompute=m.recompute_granularity,
+            recompute_method=m.recompute_method,
+            recompute_num_layers=m.recompute_num_layers,
+            recompute_modules=tuple(m.recompute_modules or ()),
+            zero_stage=p.zero_stage_in_effect,  # --zero-stage 2/3 alone is ZeRO-2/3, as the trainer runs it
+            precision=cfg.param_dtype_name,
+            grads_16bit=p.grad_reduce_in_bf16 and cfg.param_dtype_name != "fp32",
+            schedule=p.pipeline_schedule,
+            first_stage_layers=p.decoder_first_pipeline_num_layers,
+            last_stage_layers=p.decoder_last_pipeline_num_layers,
+            device=cfg.device or "cuda",
+            ddp_bucket_elements=p.ddp_bucket_size,
+            ep=p.expert_model_parallel_size,
+            etp=p.expert_tensor_parallel_size,
+        )
