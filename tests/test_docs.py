@@ -21,9 +21,10 @@ import runpy
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import pytest
 
@@ -146,7 +147,7 @@ def broken_links(pages: list[Path], root: Path = ROOT, pending: set[str] = PENDI
 
     for page, text in texts.items():
         body = prose(text)
-        for n, line in enumerate(body.split("\n"), 1):
+        for line in body.split("\n"):
             no_code = _CODE_SPAN.sub("", line)
             for target in _LINK.findall(no_code):
                 if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
@@ -497,9 +498,7 @@ def test_missing_flag_is_caught():
     parser.add_argument("--hidden-alias", help=argparse.SUPPRESS)
     flags = help_flags(parser)
     assert flags == ["--documented-flag", "--undocumented-flag"]
-    assert missing_flags(flags, ["use `--documented-flag X`; `--undocumented-flag-x` is another flag"]) == [
-        "--undocumented-flag"
-    ]
+    assert missing_flags(flags, ["use `--documented-flag X`; `--undocumented-flag-x` is another flag"]) == ["--undocumented-flag"]
 
 
 def test_bad_links_are_caught(tmp_path):
