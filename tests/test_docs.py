@@ -541,6 +541,13 @@ def test_bad_commands_are_caught():
         "tricorn schedule --pp 4 --no-such-option": "refused",
         "tricorn preprocess --input a.jsonl": "refused",  # --output-prefix is required
         "make everything": "no parser known",
+        "sbatch scripts/slurm/llama2-7b.sbatch": "needs DATA_PATH",
+        'DATA_ARGS="--mock-data --tensor-model-parallel-size 3" sbatch scripts/slurm/llama2-7b.sbatch': (
+            "not divisible by --tensor-model-parallel-size 3"
+        ),
+        "sbatch scripts/slurm/nope.sbatch": "no such script",
+        "python scripts/no_such_script.py": "no such script",
+        "python pretrain_gpt.py --mock-data --vocab-size 500 | tee log": "pipes",
     }
     for command, needle in cases.items():
         block = Block(Path("fake.md"), 1, "bash", "parse", command)
