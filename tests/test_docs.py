@@ -276,7 +276,10 @@ def check_pretrain_args(args: list[str], world_size: int, where: str = "") -> No
 def _torchrun(args: list[str], where: str) -> tuple[list[str], int]:
     from torch.distributed.run import get_args_parser
 
-    ns = get_args_parser().parse_args(args)
+    try:
+        ns = get_args_parser().parse_args(args)
+    except SystemExit as e:
+        raise AssertionError(f"{where}: torchrun's parser refused it (exit {e.code})") from None
     nnodes = int(str(ns.nnodes).split(":")[-1])
     return [ns.training_script] + list(ns.training_script_args), int(ns.nproc_per_node) * nnodes
 
@@ -298,6 +301,7 @@ def _srun(args: list[str], where: str) -> tuple[list[str], int]:
     nodes = int(opts.get("--nodes", opts.get("-N", "1")))
     tasks = opts.get("--ntasks", opts.get("-n"))
     world = int(tasks) if tasks else nodes * int(opts.get("--ntasks-per-node", "1"))
+    assert i < len(args), f"{where}: srun with no program"
     return args[i:], world
 
 
@@ -541,6 +545,7 @@ def test_bad_commands_are_caught():
         "tricorn schedule --pp 4 --no-such-option": "refused",
         "tricorn preprocess --input a.jsonl": "refused",  # --output-prefix is required
         "make everything": "no parser known",
+        "torchrun --no-such-torchrun-option pretrain_gpt.py": "torchrun's parser refused it",
         "sbatch scripts/slurm/llama2-7b.sbatch": "needs DATA_PATH",
         'DATA_ARGS="--mock-data --tensor-model-parallel-size 3" sbatch scripts/slurm/llama2-7b.sbatch': (
             "not divisible by --tensor-model-parallel-size 3"
