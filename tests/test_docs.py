@@ -170,6 +170,15 @@ def broken_links(pages: list[Path], root: Path = ROOT, pending: set[str] = PENDI
     return problems
 
 
+def unlinked_pages(readme: Path, pages: list[Path]) -> list[str]:
+    """Pages the front page does not link to (a page nobody can find is a page that rots)."""
+    targets = {
+        (readme.parent / target.partition("#")[0]).resolve()
+        for target in _LINK.findall(_CODE_SPAN.sub("", prose(readme.read_text())))
+    }
+    return [p.name for p in pages if p.resolve() not in targets]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Flags
 
@@ -447,6 +456,10 @@ def test_readme_is_a_front_page():
         assert command in text
 
 
+def test_every_page_is_linked_from_the_readme():
+    assert unlinked_pages(ROOT / "README.md", doc_pages()[1:]) == []
+
+
 def test_every_help_flag_is_documented():
     from tricorn.config import build_parser
 
@@ -525,6 +538,15 @@ def test_bad_links_are_caught(tmp_path):
         "bad.md: link to #nope: no heading #nope in bad.md",
         "bad.md: `tricorn/missing.py` does not exist",
     ]
+
+
+def test_unlinked_page_is_caught(tmp_path):
+    (tmp_path / "docs").mkdir()
+    pages = [tmp_path / "docs" / "a.md", tmp_path / "docs" / "b.md"]
+    for p in pages:
+        p.write_text("# page\n")
+    (tmp_path / "README.md").write_text("[a](docs/a.md#page)\n\n```\n[b](docs/b.md)\n```\n")
+    assert unlinked_pages(tmp_path / "README.md", pages) == ["b.md"]
 
 
 def test_self_anchor_is_checked(tmp_path):
