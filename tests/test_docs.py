@@ -7,7 +7,6 @@
   subcommand's / script's own. Unmarked blocks are plain examples. docs/testing.md describes the convention.
 - Every relative link between pages, and every repository path written in backticks (`tricorn/...`,
   `tests/...`), resolves; links into a page's headings (`page.md#anchor`) too.
-
 - README.md stays a front page (at most 250 lines) that links to every page of docs/.
 
 Each check has a negative test below, on a fake page, so that a check which can no longer fail is noticed.
