@@ -206,10 +206,11 @@ def missing_flags(flags: list[str], texts: list[str]) -> list[str]:
 # Shell: the commands of a block, and parsing them with the real parsers
 
 
-def shell_commands(body: str) -> list[tuple[dict[str, str], list[str]]]:
+def shell_commands(body: str, variables: Optional[dict[str, str]] = None) -> list[tuple[dict[str, str], list[str]]]:
     """(environment prefix, argv) of each command: continuations joined, comments dropped, and
-    NAME=value lines expanded where $NAME or ${NAME} appears later (word-split like an unquoted expansion)."""
-    variables: dict[str, str] = {}
+    NAME=value lines expanded where $NAME or ${NAME} appears later (word-split like an unquoted expansion).
+    `variables` holds the assignments of the page's earlier blocks, and gains this block's."""
+    variables = {} if variables is None else variables
     commands = []
     logical, current = [], ""
     for line in body.split("\n"):
@@ -390,8 +391,20 @@ def _run_script(path: Path, args: list[str]) -> None:
         sys.argv = saved
 
 
+def page_variables(block: Block) -> dict[str, str]:
+    """The shell variables the page's earlier run and parse blocks set: a page reads as one shell session."""
+    variables: dict[str, str] = {}
+    if block.page.is_file():
+        for earlier in fenced_blocks(block.page):
+            if earlier.line >= block.line:
+                break
+            if earlier.lang in SHELL_LANGS and earlier.mark in MARKS:
+                shell_commands(earlier.body, variables)
+    return variables
+
+
 def check_parse_block(block: Block) -> None:
-    commands = shell_commands(block.body)
+    commands = shell_commands(block.body, page_variables(block))
     assert commands, f"{block.where()}: a parse block with no command"
     for env, argv in commands:
         check_command(env, argv, f"{block.where()} `{' '.join(argv)[:80]}`")
@@ -583,6 +596,19 @@ def test_bad_commands_are_caught():
             check_parse_block(block)
     good = Block(Path("fake.md"), 1, "bash", "parse", 'F="--mock-data --vocab-size 500"\npython pretrain_gpt.py $F')
     check_parse_block(good)
+
+
+def test_variables_carry_over_between_blocks_of_a_page(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text(
+        '```bash run\nF="--mock-data --vocab-size 500"\n```\n\n```bash\nG="--not-seen"\n```\n\n'
+        "```bash parse\npython pretrain_gpt.py $F $G\n```\n"
+    )
+    block = fenced_blocks(page)[2]
+    assert page_variables(block) == {"F": "--mock-data --vocab-size 500"}  # unmarked blocks are not part of it
+    assert shell_commands(block.body, page_variables(block)) == [
+        ({}, ["python", "pretrain_gpt.py", "--mock-data", "--vocab-size", "500", "$G"])
+    ]
 
 
 def test_failing_run_block_is_caught(tmp_path):
