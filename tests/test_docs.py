@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import re
 import runpy
@@ -195,6 +196,37 @@ def help_flags(parser: argparse.ArgumentParser) -> list[str]:
             if opt.startswith("--")
         }
     )
+
+
+def parsers_of(main, argv: list[str]) -> list[argparse.ArgumentParser]:
+    """The argument parsers a main(argv) builds, caught as it asks them to parse (nothing runs after that)."""
+    seen: list[argparse.ArgumentParser] = []
+    known, parse = argparse.ArgumentParser.parse_known_args, argparse.ArgumentParser.parse_args
+
+    def record_known(self, args=None, namespace=None):
+        seen.append(self)
+        return known(self, args, namespace)
+
+    def record_and_stop(self, args=None, namespace=None):
+        seen.append(self)
+        raise _Parsed(None)
+
+    argparse.ArgumentParser.parse_known_args = record_known  # type: ignore[method-assign]
+    argparse.ArgumentParser.parse_args = record_and_stop  # type: ignore[method-assign]
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(_Parsed, SystemExit):
+            main(argv)
+    finally:
+        argparse.ArgumentParser.parse_known_args = known  # type: ignore[method-assign]
+        argparse.ArgumentParser.parse_args = parse  # type: ignore[method-assign]
+    out, stack = [], list(seen)
+    while stack:  # subcommands (tricorn tokenizer train) are parsers of their own
+        parser = stack.pop()
+        out.append(parser)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack += list(action.choices.values())
+    return out
 
 
 def missing_flags(flags: list[str], texts: list[str]) -> list[str]:
@@ -483,6 +515,23 @@ def test_every_help_flag_is_documented():
     assert not missing, f"flags in `pretrain_gpt.py --help` on no page of README.md or docs/: {missing}"
 
 
+def test_every_subcommand_flag_is_documented():
+    import importlib
+
+    from tricorn.cli import SUBCOMMANDS
+
+    texts = [p.read_text() for p in doc_pages()]
+    missing = {}
+    for name, (target, _) in SUBCOMMANDS.items():
+        module, func = target.split(":")
+        parsers = parsers_of(getattr(importlib.import_module(module), func), ["--not-a-flag"])
+        assert parsers, f"tricorn {name}: no argument parser seen"
+        flags = sorted({f for parser in parsers for f in help_flags(parser)})
+        if missing_flags(flags, texts):
+            missing[name] = missing_flags(flags, texts)
+    assert not missing, f"`tricorn SUBCOMMAND --help` flags on no page of README.md or docs/: {missing}"
+
+
 def test_shell_blocks_carry_known_marks():
     bad = [
         f"{b.where()}: ```{b.lang} {b.mark}"
@@ -530,6 +579,23 @@ def test_missing_flag_is_caught():
     flags = help_flags(parser)
     assert flags == ["--documented-flag", "--undocumented-flag"]
     assert missing_flags(flags, ["use `--documented-flag X`; `--undocumented-flag-x` is another flag"]) == ["--undocumented-flag"]
+
+
+def test_parsers_of_finds_every_parser():
+    def main(argv):
+        extra = argparse.ArgumentParser(add_help=False)
+        extra.add_argument("--extra")
+        _, rest = extra.parse_known_args(argv)
+        top = argparse.ArgumentParser()
+        sub = top.add_subparsers().add_parser("train")
+        sub.add_argument("--inner", required=True)
+        top.parse_args(rest)
+        raise AssertionError("never reached")
+
+    original = argparse.ArgumentParser.parse_args
+    flags = sorted({f for p in parsers_of(main, ["--x"]) for f in help_flags(p)})
+    assert flags == ["--extra", "--inner"]
+    assert argparse.ArgumentParser.parse_args is original  # put back
 
 
 def test_bad_links_are_caught(tmp_path):
