@@ -1,6 +1,6 @@
 """The docs cannot rot: README.md and docs/*.md are checked against the code.
 
-- Every flag that `pretrain_gpt.py --help` lists appears on some page.
+- Every flag that `pretrain_gpt.py --help` lists appears on some page, and every `tricorn SUBCOMMAND` flag.
 - Every shell block marked ```` ```bash run ```` is executed (at tiny size, in a scratch directory), and every
   block marked ```` ```bash parse ```` has each command parsed by the real argument parser: pretrain_gpt.py's
   (and its pre-launch validation, with the world size the launcher would give), torchrun's, or the `tricorn`
