@@ -40,20 +40,6 @@ from docs_checks import (
     unlinked_pages,
 )
 
-# Paths that docs name with their new location while the move is in flight on another branch.
-# Delete this set (and the argument test_links_resolve passes) once that branch is merged.
-PENDING_PATHS = {
-    "tricorn/checkpoint/checkpointer.py",
-    "tricorn/checkpoint/io.py",
-    "tricorn/checkpoint/pieces.py",
-    "tricorn/checkpoint/checksums.py",
-    "tricorn/checkpoint/staging.py",
-    "tricorn/checkpoint/interop/hf.py",
-    "tricorn/checkpoint/interop/hf_mapping.py",
-    "tricorn/checkpoint/interop",
-    "tricorn/checkpoint",
-}
-
 
 def _blocks(mark: str) -> list[Block]:
     return [b for page in doc_pages() for b in fenced_blocks(page) if b.lang in SHELL_LANGS and b.mark == mark]
@@ -109,7 +95,7 @@ def test_shell_blocks_carry_known_marks():
 
 
 def test_links_resolve():
-    problems = broken_links(doc_pages(), PENDING_PATHS)
+    problems = broken_links(doc_pages(), set())
     assert not problems, "\n".join(problems)
 
 

@@ -45,6 +45,8 @@ def offenders(files: list[Path], forbidden: tuple[str, ...]) -> list[str]:
             ("tricorn.training", "tricorn.simulate", "tricorn.checkpoint", "tricorn.plan_cli"),
         ),
         (sorted((PKG / "checkpoint").rglob("*.py")), ("tricorn.training", "tricorn.planning", "tricorn.simulate")),
+        (sorted((PKG / "data").rglob("*.py")), ("tricorn.parallel", "tricorn.training")),
+        (sorted((PKG / "training").rglob("*.py")), ("tricorn.simulate", "tricorn.plan_cli", "tricorn.cli")),
     ],
     ids=[
         "config-is-the-leaf",
@@ -53,6 +55,8 @@ def offenders(files: list[Path], forbidden: tuple[str, ...]) -> list[str]:
         "timers-leaf",
         "planning-is-arithmetic",
         "checkpoint-under-training",
+        "data-under-parallel",
+        "training-under-orchestration",
     ],
 )
 def test_imports_point_down(files, forbidden):
