@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from badinput import assert_refused
+from badinput import assert_refused, assert_torchrun_refused
 from harness import BASE_FLAGS, ENTRY, ROOT, with_flag
 from test_checkpoint_io import make_checkpoint
 
@@ -100,6 +100,18 @@ def test_output_paths_checked_before_launch(tmp_path, extra, needle):
     _paths(tmp_path)
     assert_refused(BASE_FLAGS + extra + ["--tensorboard-dir", "tb"] * (extra[0] != "--tensorboard-dir"), tmp_path, needle=needle)
     assert not (tmp_path / "tb").exists(), "nothing is created before the checks pass"
+
+
+@pytest.mark.parametrize("flag", ["--data-cache-path", "--save", "--tensorboard-dir", "--log-dir", "--load"])
+def test_file_for_a_directory_with_real_data(tmp_path, flag):
+    """Real data is read before launch (vocabulary check, token-range cache): a file named where a directory
+    is needed is refused before that, not as a FileExistsError from inside the data loader."""
+    _paths(tmp_path)
+    _write_pair(tmp_path / "data", np.arange(4096) % 400, [64] * 64)
+    needle = f"{flag} afile is a file" + (
+        "; it needs the checkpoint directory" if flag == "--load" else " but must be a directory"
+    )
+    assert_refused(DATA_FLAGS + ["--data-path", "data", flag, "afile"], tmp_path, needle=needle)
 
 
 def test_read_only_directory_is_refused(tmp_path):
@@ -316,3 +328,57 @@ def test_preprocess_says_why_no_document_was_usable(tmp_path):
     assert "every line was skipped (2 cannot tokenize" in str(e.value)
     assert "token id 600 is outside the vocabulary [0, 500)" in str(e.value)
     assert not list(tmp_path.glob("out*"))
+
+
+# ---------------------------------------------------------------- under a 2-rank torchrun (issue 33)
+
+
+def _torchrun_data(run):
+    tokens = _tokens_with_a_bad_id_late()
+    _write_pair(run / "data", tokens, [4096] * (tokens.size // 4096))
+
+
+def _torchrun_checkpoint(damage):
+    def setup(run):
+        ckpt = _checkpoint(run)
+        damage(ckpt)
+
+    return setup
+
+
+TP2 = ["--tensor-model-parallel-size", "2"]
+# name: (setup of the sandbox, flags replacing or added to the base flags, exit code, text of the line)
+TORCHRUN_CASES = {
+    "pp2-3-layers": (None, ["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2, "--num-layers 3 is not divisible"),
+    "batch-at-dp2": (None, ["--global-batch-size", "6"], 2, "--global-batch-size 6 is not divisible by --micro-batch-size x DP"),
+    "timeout-0": (None, ["--distributed-timeout-minutes", "0"], 2, "--distributed-timeout-minutes must be at least 1, got 0"),
+    "token-ids-tp2": (_torchrun_data, TP2 + ["--data-path", "data"], 2, "data.bin holds token id 9000 outside"),
+    "rng-garbage-tp2": (
+        _torchrun_checkpoint(lambda c: (c / io.RNG_DIR / "pp0-dp0-cp0-tp1.json").write_bytes(os.urandom(64))),
+        TP2 + ["--load", "ckpt"],
+        1,
+        "pp0-dp0-cp0-tp1.json cannot be read",
+    ),
+    "rng-wrong-length-tp2": (
+        _torchrun_checkpoint(DAMAGE["rng-wrong-size"][0]),
+        TP2 + ["--load", "ckpt"],
+        1,
+        "no valid CPU RNG state",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TORCHRUN_CASES))
+def test_torchrun_ends_with_the_one_line(tmp_path, case):
+    """What a user of `torchrun --nproc-per-node 2 pretrain_gpt.py ...` reads last: the line, then torchrun's
+    summary naming it (with the worker's exit code) as the root cause."""
+    setup, extra, code, needle = TORCHRUN_CASES[case]
+    run = tmp_path / "run"
+    run.mkdir()
+    if setup is not None:
+        setup(run)
+    flags = DATA_FLAGS if "--data-path" in extra else BASE_FLAGS
+    for name, value in zip(extra[::2], extra[1::2]):
+        flags = with_flag(flags, name, value)
+    flags = with_flag(flags, "--train-iters", "1")
+    assert_torchrun_refused(flags, run, tmp_path / "tmp", code, needle)
