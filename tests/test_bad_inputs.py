@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from badinput import assert_refused, assert_torchrun_refused
+from badinput import assert_one_line, assert_refused, assert_torchrun_refused, run_main
 from harness import BASE_FLAGS, ENTRY, ROOT, with_flag
 from test_checkpoint_io import make_checkpoint
 
+from tricorn import launch_errors
 from tricorn.data.errors import DataError
 from tricorn.data.indexed import IndexedDataset, write_index
 from tricorn.data.loader import token_range
@@ -153,6 +154,37 @@ def test_real_cli_prints_one_line(tmp_path, extra, needle, rank):
     else:
         assert len(lines) == 1 and lines[0].startswith("tricorn: error: ") and needle in lines[0], run.stderr
     assert not (tmp_path / "tb").exists()
+
+
+@pytest.mark.parametrize("task", ["0", "1"])
+def test_srun_prints_once_and_the_others_wait(tmp_path, monkeypatch, task):
+    """Under srun (SLURM_PROCID, no RANK) only task 0 prints; the others wait for --kill-on-bad-exit first."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_PROCID", task)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    slept = []
+    monkeypatch.setattr(launch_errors.time, "sleep", slept.append)
+    code, stderr = run_main(BASE_FLAGS + ["--tensor-model-parallel-size", "0"], tmp_path)
+    assert code == 2
+    if task == "0":
+        assert_one_line(code, stderr, needle="--tensor-model-parallel-size must be at least 1")
+        assert slept == []
+    else:
+        assert stderr == "" and slept == [launch_errors.HEAD_START_S]
+
+
+def test_error_file_is_what_torchrun_reads(tmp_path, monkeypatch):
+    """The error file is in torchelastic's layout: its summary shows the line as the root cause."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    sandbox = tmp_path / "run"
+    sandbox.mkdir()
+    line = assert_refused(BASE_FLAGS + ["--lr", "nan"], sandbox, needle="--lr must be a finite number")
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(tmp_path / "error.json"))
+    summary = ChildFailedError("pretrain_gpt.py", {0: failure}).format_msg()
+    assert f"  traceback : {line}\n" in summary and "exitcode  : 2" in summary, summary
 
 
 # ---------------------------------------------------------------- damaged checkpoints (exit 1, before launch)
