@@ -22,6 +22,7 @@ from harness import BASE_FLAGS, ENTRY, ROOT, with_flag
 from test_checkpoint_io import make_checkpoint
 
 from tricorn import launch_errors
+from tricorn.data import loader as data_loader
 from tricorn.data.errors import DataError
 from tricorn.data.indexed import IndexedDataset, write_index
 from tricorn.data.loader import token_range
@@ -314,6 +315,25 @@ def test_token_range_is_cached_beside_the_index_cache(tmp_path):
     assert len(cached) == 1 and np.load(cached[0]).tolist() == [0, 9000]
     np.save(cached[0], np.array([0, 7]))  # the cache is read, not recomputed
     assert token_range(ds, str(tmp_path / "cache")) == (0, 7)
+
+
+def test_checks_before_launch_write_no_cache(tmp_path, monkeypatch):
+    """The token range scanned before launch is cached only once the run starts, and scanned only once."""
+    _write_pair(tmp_path / "data", np.arange(4096) % 400, [64] * 64)
+    (tmp_path / "cache").mkdir()
+    flags = DATA_FLAGS + ["--data-path", "data", "--data-cache-path", "cache", "--train-iters", "1"]
+    assert_refused(
+        flags + ["--tensor-model-parallel-size", "3"], tmp_path, needle="not divisible by --tensor-model-parallel-size 3"
+    )
+    assert not list((tmp_path / "cache").iterdir())
+    monkeypatch.setattr(data_loader, "_unsaved_token_ranges", {})  # a fresh process: the refused run's scan is gone
+    scans = []
+    real_scan = IndexedDataset.token_range
+    monkeypatch.setattr(IndexedDataset, "token_range", lambda self: scans.append(1) or real_scan(self))
+    code, stderr = run_main(flags, tmp_path)
+    assert code == 0, stderr[-2000:]
+    cached = list((tmp_path / "cache").glob("*-TokenRange-all-range.npy"))
+    assert len(cached) == 1 and np.load(cached[0]).tolist() == [0, 399] and scans == [1]
 
 
 @pytest.mark.parametrize(
