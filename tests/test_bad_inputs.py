@@ -188,6 +188,23 @@ def test_error_file_is_what_torchrun_reads(tmp_path, monkeypatch):
     assert f"  traceback : {line}\n" in summary and "exitcode  : 2" in summary, summary
 
 
+def test_a_bug_reaches_torchruns_summary_as_its_traceback(tmp_path, monkeypatch):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from tricorn.training import main as entry
+
+    def bug(cfg):
+        raise RuntimeError("boom")
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setattr(entry, "_prepare_vocab", bug)
+    with pytest.raises(RuntimeError, match="boom"):
+        entry.main(BASE_FLAGS)
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(tmp_path / "error.json"))
+    callstack = failure.message["extraInfo"]["py_callstack"]
+    assert callstack.startswith("Traceback (most recent call last):") and callstack.rstrip().endswith("RuntimeError: boom")
+
+
 # ---------------------------------------------------------------- damaged checkpoints (exit 1, before launch)
 
 

@@ -150,6 +150,14 @@ def build_trainer(cfg: Config, state, logger, with_validation: bool = True):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        return _run(argv)
+    except Exception as e:  # a bug outside training (that one is caught below): torchrun's summary shows it too
+        write_error_file(f"{type(e).__name__}: {e}", traceback.format_exc())
+        raise
+
+
+def _run(argv: Optional[list[str]]) -> int:
     cfg = resolve_config(argv)
     if cfg.dry_run:  # the memory estimate of this exact config, no process group, no model
         from tricorn.planning.estimate import format_report
