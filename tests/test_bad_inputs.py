@@ -116,6 +116,13 @@ def test_file_for_a_directory_with_real_data(tmp_path, flag):
     assert_refused(DATA_FLAGS + ["--data-path", "data", flag, "afile"], tmp_path, needle=needle)
 
 
+def test_directory_for_a_file_is_refused(tmp_path):
+    _paths(tmp_path)
+    _write_pair(tmp_path / "data", np.arange(4096) % 400, [64] * 64)
+    flags = DATA_FLAGS + ["--data-path", "data", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "adir"]
+    assert_refused(flags, tmp_path, needle="--tokenizer-model adir is a directory; name the .model file inside it")
+
+
 def test_read_only_directory_is_refused(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
