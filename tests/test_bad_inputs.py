@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from badinput import assert_refused
+from badinput import assert_one_line, assert_refused, assert_torchrun_refused, run_main
 from harness import BASE_FLAGS, ENTRY, ROOT, with_flag
 from test_checkpoint_io import make_checkpoint
 
+from tricorn import launch_errors
 from tricorn.checkpoint import io
+from tricorn.data import loader as data_loader
 from tricorn.data.errors import DataError
 from tricorn.data.indexed import IndexedDataset, write_index
 from tricorn.data.loader import token_range
@@ -102,6 +104,25 @@ def test_output_paths_checked_before_launch(tmp_path, extra, needle):
     assert not (tmp_path / "tb").exists(), "nothing is created before the checks pass"
 
 
+@pytest.mark.parametrize("flag", ["--data-cache-path", "--save", "--tensorboard-dir", "--log-dir", "--load"])
+def test_file_for_a_directory_with_real_data(tmp_path, flag):
+    """Real data is read before launch (vocabulary check, token-range cache): a file named where a directory
+    is needed is refused before that, not as a FileExistsError from inside the data loader."""
+    _paths(tmp_path)
+    _write_pair(tmp_path / "data", np.arange(4096) % 400, [64] * 64)
+    needle = f"{flag} afile is a file" + (
+        "; it needs the checkpoint directory" if flag == "--load" else " but must be a directory"
+    )
+    assert_refused(DATA_FLAGS + ["--data-path", "data", flag, "afile"], tmp_path, needle=needle)
+
+
+def test_directory_for_a_file_is_refused(tmp_path):
+    _paths(tmp_path)
+    _write_pair(tmp_path / "data", np.arange(4096) % 400, [64] * 64)
+    flags = DATA_FLAGS + ["--data-path", "data", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "adir"]
+    assert_refused(flags, tmp_path, needle="--tokenizer-model adir is a directory; name the .model file inside it")
+
+
 def test_read_only_directory_is_refused(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -141,6 +162,54 @@ def test_real_cli_prints_one_line(tmp_path, extra, needle, rank):
     else:
         assert len(lines) == 1 and lines[0].startswith("tricorn: error: ") and needle in lines[0], run.stderr
     assert not (tmp_path / "tb").exists()
+
+
+@pytest.mark.parametrize("task", ["0", "1"])
+def test_srun_prints_once_and_the_others_wait(tmp_path, monkeypatch, task):
+    """Under srun (SLURM_PROCID, no RANK) only task 0 prints; the others wait for --kill-on-bad-exit first."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_PROCID", task)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    slept = []
+    monkeypatch.setattr(launch_errors.time, "sleep", slept.append)
+    code, stderr = run_main(BASE_FLAGS + ["--tensor-model-parallel-size", "0"], tmp_path)
+    assert code == 2
+    if task == "0":
+        assert_one_line(code, stderr, needle="--tensor-model-parallel-size must be at least 1")
+        assert slept == []
+    else:
+        assert stderr == "" and slept == [launch_errors.HEAD_START_S]
+
+
+def test_error_file_is_what_torchrun_reads(tmp_path, monkeypatch):
+    """The error file is in torchelastic's layout: its summary shows the line as the root cause."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    sandbox = tmp_path / "run"
+    sandbox.mkdir()
+    line = assert_refused(BASE_FLAGS + ["--lr", "nan"], sandbox, needle="--lr must be a finite number")
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(tmp_path / "error.json"))
+    summary = ChildFailedError("pretrain_gpt.py", {0: failure}).format_msg()
+    assert f"  traceback : {line}\n" in summary and "exitcode  : 2" in summary, summary
+
+
+def test_a_bug_reaches_torchruns_summary_as_its_traceback(tmp_path, monkeypatch):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from tricorn.training import main as entry
+
+    def bug(cfg):
+        raise RuntimeError("boom")
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setattr(entry, "_prepare_vocab", bug)
+    with pytest.raises(RuntimeError, match="boom"):
+        entry.main(BASE_FLAGS)
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(tmp_path / "error.json"))
+    callstack = failure.message["extraInfo"]["py_callstack"]
+    assert callstack.startswith("Traceback (most recent call last):") and callstack.rstrip().endswith("RuntimeError: boom")
 
 
 # ---------------------------------------------------------------- damaged checkpoints (exit 1, before launch)
@@ -272,6 +341,25 @@ def test_token_range_is_cached_beside_the_index_cache(tmp_path):
     assert token_range(ds, str(tmp_path / "cache")) == (0, 7)
 
 
+def test_checks_before_launch_write_no_cache(tmp_path, monkeypatch):
+    """The token range scanned before launch is cached only once the run starts, and scanned only once."""
+    _write_pair(tmp_path / "data", np.arange(4096) % 400, [64] * 64)
+    (tmp_path / "cache").mkdir()
+    flags = DATA_FLAGS + ["--data-path", "data", "--data-cache-path", "cache", "--train-iters", "1"]
+    assert_refused(
+        flags + ["--tensor-model-parallel-size", "3"], tmp_path, needle="not divisible by --tensor-model-parallel-size 3"
+    )
+    assert not list((tmp_path / "cache").iterdir())
+    monkeypatch.setattr(data_loader, "_unsaved_token_ranges", {})  # a fresh process: the refused run's scan is gone
+    scans = []
+    real_scan = IndexedDataset.token_range
+    monkeypatch.setattr(IndexedDataset, "token_range", lambda self: scans.append(1) or real_scan(self))
+    code, stderr = run_main(flags, tmp_path)
+    assert code == 0, stderr[-2000:]
+    cached = list((tmp_path / "cache").glob("*-TokenRange-all-range.npy"))
+    assert len(cached) == 1 and np.load(cached[0]).tolist() == [0, 399] and scans == [1]
+
+
 @pytest.mark.parametrize(
     "lengths,needle",
     [
@@ -316,3 +404,57 @@ def test_preprocess_says_why_no_document_was_usable(tmp_path):
     assert "every line was skipped (2 cannot tokenize" in str(e.value)
     assert "token id 600 is outside the vocabulary [0, 500)" in str(e.value)
     assert not list(tmp_path.glob("out*"))
+
+
+# ---------------------------------------------------------------- under a 2-rank torchrun (issue 33)
+
+
+def _torchrun_data(run):
+    tokens = _tokens_with_a_bad_id_late()
+    _write_pair(run / "data", tokens, [4096] * (tokens.size // 4096))
+
+
+def _torchrun_checkpoint(damage):
+    def setup(run):
+        ckpt = _checkpoint(run)
+        damage(ckpt)
+
+    return setup
+
+
+TP2 = ["--tensor-model-parallel-size", "2"]
+# name: (setup of the sandbox, flags replacing or added to the base flags, exit code, text of the line)
+TORCHRUN_CASES = {
+    "pp2-3-layers": (None, ["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2, "--num-layers 3 is not divisible"),
+    "batch-at-dp2": (None, ["--global-batch-size", "6"], 2, "--global-batch-size 6 is not divisible by --micro-batch-size x DP"),
+    "timeout-0": (None, ["--distributed-timeout-minutes", "0"], 2, "--distributed-timeout-minutes must be at least 1, got 0"),
+    "token-ids-tp2": (_torchrun_data, TP2 + ["--data-path", "data"], 2, "data.bin holds token id 9000 outside"),
+    "rng-garbage-tp2": (
+        _torchrun_checkpoint(lambda c: (c / io.RNG_DIR / "pp0-dp0-cp0-tp1.json").write_bytes(os.urandom(64))),
+        TP2 + ["--load", "ckpt"],
+        1,
+        "pp0-dp0-cp0-tp1.json cannot be read",
+    ),
+    "rng-wrong-length-tp2": (
+        _torchrun_checkpoint(DAMAGE["rng-wrong-size"][0]),
+        TP2 + ["--load", "ckpt"],
+        1,
+        "no valid CPU RNG state",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TORCHRUN_CASES))
+def test_torchrun_ends_with_the_one_line(tmp_path, case):
+    """What a user of `torchrun --nproc-per-node 2 pretrain_gpt.py ...` reads last: the line, then torchrun's
+    summary naming it (with the worker's exit code) as the root cause."""
+    setup, extra, code, needle = TORCHRUN_CASES[case]
+    run = tmp_path / "run"
+    run.mkdir()
+    if setup is not None:
+        setup(run)
+    flags = DATA_FLAGS if "--data-path" in extra else BASE_FLAGS
+    for name, value in zip(extra[::2], extra[1::2]):
+        flags = with_flag(flags, name, value)
+    flags = with_flag(flags, "--train-iters", "1")
+    assert_torchrun_refused(flags, run, tmp_path / "tmp", code, needle)

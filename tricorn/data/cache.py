@@ -12,7 +12,8 @@ order. If rank 0 fails, it still reaches the barrier (the others do not hang)
 and then raises. A rank that cannot see the files afterwards (a cache
 directory that is not shared between nodes) builds the arrays in memory.
 Without torch.distributed, or without a cache directory, arrays are built in
-memory on each call.
+memory on each call. `read_only` reads a cache but never writes one (checks
+before launch, when a refused run must leave nothing behind).
 """
 
 from __future__ import annotations
@@ -72,12 +73,18 @@ def load_or_build(
     description: dict[str, Any],
     names: Sequence[str],
     build: Callable[[], dict[str, np.ndarray]],
+    read_only: bool = False,
 ) -> CachedArrays:
+    """The arrays, from the cache when it holds them; else built (and saved unless `read_only`: no collective then)."""
     key = description_key(description)
     if not cache_dir:
         return CachedArrays(build(), False, key)
     stem = os.path.join(cache_dir, f"{key}-{kind}-{split}")
     paths = {name: f"{stem}-{name}.npy" for name in names}
+    if read_only:
+        if all(os.path.isfile(p) for p in paths.values()):
+            return CachedArrays({name: np.load(path, mmap_mode="r") for name, path in paths.items()}, True, key)
+        return CachedArrays(build(), False, key)
     dist = _distributed()
     built: Optional[dict[str, np.ndarray]] = None
     if dist is None or dist.get_rank() == 0:

@@ -13,8 +13,10 @@ global batch for valid, eval_iters x global batch for test (Megatron's).
 Every rank builds the same global sample order; GlobalBatchLoader hands each
 DP rank its slice, so global batch j is the same at any DP size, and the only
 state is consumed_samples. Collectives: one barrier on the default group per
-dataset when torch.distributed is initialised and --data-cache-path is set
-(see tricorn.data.cache), so all ranks must call build_loaders.
+dataset, and one per prefix for its token range, when torch.distributed is
+initialised and --data-cache-path is set (see tricorn.data.cache), so all ranks
+must call build_loaders. prepare_vocab runs before launch and writes nothing: the
+token ranges it scans are cached by build_loaders.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 
 from tricorn.data.base import GlobalBatchLoader, MockSamples, SampleSource
 from tricorn.data.blended import SURPLUS, BlendedDataset, blend_sizes
-from tricorn.data.cache import load_or_build
+from tricorn.data.cache import description_key, load_or_build
 from tricorn.data.errors import DataError
 from tricorn.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_ranges
 from tricorn.data.indexed import IndexedDataset
@@ -173,6 +175,7 @@ def build_loaders(
         ]
     else:
         datasets = _Datasets()
+        cache_token_ranges(cfg, datasets)  # what the checks before launch scanned, now that the run has started
         sources = [build_split_source(cfg, i, sizes[i], datasets) for i in range(len(SPLIT_NAMES))]
     assert sources[0] is not None
     pad = -1 if cfg.data.mock_data else loss_pad_id(build_tokenizer(cfg))
@@ -234,7 +237,7 @@ def check_data_files(cfg: Any, padded_vocab: int) -> list[str]:
                 errs.append(
                     f"--split {train_spec[1]} leaves no training documents of the {len(indexed)} in {prefix}; give train a larger share"
                 )
-        low, top = token_range(indexed, cfg.data.data_cache_path)
+        low, top = token_range(indexed, cfg.data.data_cache_path, write=False)
         if top >= padded_vocab or low < 0:
             errs.append(
                 f"{prefix}.bin holds token id {top if top >= padded_vocab else low} outside the model's vocabulary "
@@ -243,8 +246,16 @@ def check_data_files(cfg: Any, padded_vocab: int) -> list[str]:
     return errs
 
 
-def token_range(indexed: IndexedDataset, cache_dir: Optional[str]) -> tuple[int, int]:
-    """(smallest, largest) token id of the whole .bin, cached beside the sample indices (keyed by the files' size and time)."""
+# Token ranges found by the checks before launch, which write nothing: build_loaders caches them once the run starts.
+_unsaved_token_ranges: dict[str, np.ndarray] = {}
+
+
+def token_range(indexed: IndexedDataset, cache_dir: Optional[str], write: bool = True) -> tuple[int, int]:
+    """(smallest, largest) token id of the whole .bin, cached beside the sample indices (keyed by the files' size and time).
+
+    `write=False` (the checks before launch): read a cached range, else scan and keep it in memory for
+    `cache_token_ranges`. With a process group, every rank must call this with `write=True` alike.
+    """
     prefix = indexed.path_prefix
     files = [os.stat(path) for path in (prefix + ".bin", prefix + ".idx")]
     description = {
@@ -253,8 +264,25 @@ def token_range(indexed: IndexedDataset, cache_dir: Optional[str]) -> tuple[int,
         "dtype": str(indexed.dtype),
         "files": [[st.st_size, st.st_mtime_ns] for st in files],
     }
-    arrays = load_or_build(
-        cache_dir, "TokenRange", "all", description, ["range"], lambda: {"range": np.array(indexed.token_range(), np.int64)}
-    )
+    key = description_key(description)
+
+    def scan() -> dict[str, np.ndarray]:
+        if key in _unsaved_token_ranges:
+            return {"range": _unsaved_token_ranges.pop(key)}
+        return {"range": np.array(indexed.token_range(), np.int64)}
+
+    arrays = load_or_build(cache_dir, "TokenRange", "all", description, ["range"], scan, read_only=not write)
+    if not write and cache_dir and not arrays.from_cache:
+        _unsaved_token_ranges[key] = np.asarray(arrays["range"])
     low, top = (int(v) for v in arrays["range"])
     return low, top
+
+
+def cache_token_ranges(cfg: Any, datasets: Optional[_Datasets] = None) -> None:
+    """Write the token ranges that the checks before launch found into --data-cache-path (rank 0; a barrier each)."""
+    if cfg.data.mock_data or not cfg.data.data_cache_path:
+        return
+    datasets = datasets or _Datasets()
+    specs = [spec for spec in _split_specs(cfg) if spec is not None]
+    for prefix in sorted({p for blend, _ in specs for p in blend.prefixes}):
+        token_range(datasets(prefix), cfg.data.data_cache_path)

@@ -84,6 +84,8 @@ class SentencePieceTokenizer:
     def __init__(self, model_path: str, add_bos: bool = False):
         import sentencepiece as spm
 
+        if model_path and os.path.isdir(model_path):
+            raise DataError(f"--tokenizer-model {model_path} is a directory; name the .model file inside it")
         if not model_path or not os.path.isfile(model_path):
             raise DataError(f"--tokenizer-model {model_path} does not exist; train one with `tricorn tokenizer train`")
         try:

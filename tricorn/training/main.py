@@ -7,12 +7,12 @@ groups, the model, the optimizer and the loaders built.
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from typing import Optional
 
 from tricorn.config import Config
+from tricorn.launch_errors import CONFIG_ERROR, RUN_ERROR, fail, launch_rank, write_error_file
 
 
 def resolve_config(argv: Optional[list[str]]) -> Config:
@@ -24,21 +24,20 @@ def resolve_config(argv: Optional[list[str]]) -> Config:
         cfg = config_from_args(argv, world_size=world_size_from_env())
         if cfg.device == "cuda" and not _cuda_visible():
             raise ConfigError("--device cuda was given but no CUDA device is visible; use --device cpu")
-        errors = _prepare_vocab(cfg)
+        # The output paths first: reading the data files already writes (the token-range cache in
+        # --data-cache-path), and nothing may be created where a path is unusable.
+        errors = output_path_errors(cfg)
+        errors = errors or _prepare_vocab(cfg)
         errors += validate(cfg) if not errors else []
         if not errors and cfg.device == "cuda":  # memory estimate vs the device (GPU only: CPU RAM is not the limit)
             from tricorn.planning.estimate import memory_errors, visible_device_memory
 
             errors += memory_errors(cfg, visible_device_memory())
-        if not errors:  # nothing is created before the output paths are known to be writable
-            errors += output_path_errors(cfg)
     except ConfigError as e:
         errors = [str(e)]
     if errors:
-        # One line, from one rank: every problem, the most layout-relevant first.
-        if int(os.environ.get("RANK", "0")) == 0:
-            print("tricorn: error: " + "; also: ".join(errors), file=sys.stderr)
-        sys.exit(2)
+        # One line, from one rank, exit 2 on every rank: every problem, the most layout-relevant first.
+        sys.exit(fail("; also: ".join(errors), CONFIG_ERROR, prints=launch_rank() == 0))
     return cfg
 
 
@@ -151,11 +150,19 @@ def build_trainer(cfg: Config, state, logger, with_validation: bool = True):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        return _run(argv)
+    except Exception as e:  # a bug outside training (that one is caught below): torchrun's summary shows it too
+        write_error_file(f"{type(e).__name__}: {e}", traceback.format_exc())
+        raise
+
+
+def _run(argv: Optional[list[str]]) -> int:
     cfg = resolve_config(argv)
     if cfg.dry_run:  # the memory estimate of this exact config, no process group, no model
         from tricorn.planning.estimate import format_report
 
-        if int(os.environ.get("RANK", "0")) == 0:
+        if launch_rank() == 0:
             print(format_report(cfg))
         return 0
     from tricorn.checkpoint.io import load_errors
@@ -164,16 +171,15 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     damaged = load_errors(cfg)  # the --load checkpoint's files, checked alike on every rank before anything starts
     if damaged:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"tricorn: error: {damaged[0]}", file=sys.stderr)
-        return 1
+        return fail(damaged[0], RUN_ERROR, prints=launch_rank() == 0)
 
     exits = ExitConditions(cfg)  # from here on --exit-signal means "save and exit 0", not "die"
     code = 1
     try:
         code = _train(cfg, init_parallel(cfg), exits)
-    except Exception:  # a bug, not a user error: show it, then still tear down in order (below)
+    except Exception as e:  # a bug, not a user error: show it, then still tear down in order (below)
         traceback.print_exc()
+        write_error_file(f"{type(e).__name__}: {e}", traceback.format_exc())  # torchrun's summary shows it
     finally:
         # Every object holding a process group or a gloo work died with _train's frame; destroy_parallel
         # collects what cycles kept, so no C++ communicator outlives the interpreter (issue: abort at exit).
@@ -201,18 +207,16 @@ def _train(cfg: Config, state, exits) -> int:
         trainer.optimizer.wait_all()  # nothing in flight when the groups go
         return 0
     except (NaNError, DataError, CheckpointError) as e:
-        if state.rank == 0:  # raised alike on every rank (checked before, or gathered by, the collectives): print once
-            print(f"tricorn: error: {e}", file=sys.stderr)
-        return 1
+        # Raised alike on every rank (checked before, or gathered by, the collectives): printed once.
+        return fail(str(e), RUN_ERROR, prints=state.rank == 0)
     except RuntimeError as e:  # a dead or stopped peer: one line naming the collective, not gloo's traceback
         from tricorn.parallel.failures import collective_failure, peer_named
 
         line = collective_failure(e, state.rank, state.world_size, cfg.parallel.distributed_timeout_minutes)
         if line is None:
             raise
-        if state.rank == 0 or peer_named(line) == 0:  # every survivor times out: rank 0 says it, or whoever lost rank 0
-            print(f"tricorn: error: {line}", file=sys.stderr)
-        return 1
+        # Every survivor times out: rank 0 says it, or whoever lost rank 0.
+        return fail(line, RUN_ERROR, prints=state.rank == 0 or peer_named(line) == 0)
     finally:
         if ckpt is not None:
             ckpt.close()  # joins the background save thread
