@@ -242,7 +242,10 @@ DAMAGE = {
     "meta-lacks-optimizer-step": (lambda c: _edit_meta(c, lambda m: m.pop("optimizer_step")), "lacks 'optimizer_step'"),
     "meta-iteration-twelve": (lambda c: _edit_meta(c, lambda m: m.update(iteration="twelve")), "iteration = 'twelve'"),
     "meta-negative-samples": (lambda c: _edit_meta(c, lambda m: m.update(consumed_train_samples=-4)), "consumed_train_samples"),
-    "meta-not-json": (lambda c: (c / io.META_FILE).write_bytes(b"\xff\xfe{"), "meta.json cannot be read"),
+    "meta-not-json": (
+        lambda c: (c / io.META_FILE).write_bytes(b"\xff\xfe{"),
+        "meta.json cannot be read (not UTF-8 text); pick another iteration with --ckpt-step",
+    ),
     "rng-truncated": (
         lambda c: (c / io.RNG_DIR / "pp0-dp0-cp0-tp1.json").write_text(
             (c / io.RNG_DIR / "pp0-dp0-cp0-tp1.json").read_text()[:99]

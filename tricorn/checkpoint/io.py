@@ -314,11 +314,17 @@ def check_config(ckpt: Path, model: ModelConfig) -> None:
         known = {f.name for f in dataclasses.fields(ModelConfig)}
         theirs = model_shape(ModelConfig(**{k: v for k, v in saved.items() if k in known}))
     except (OSError, yaml.YAMLError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"checkpoint damaged: {path} cannot be read ({e})") from None
+        raise unreadable(path, e) from None
     ours = model_shape(model)
     diff = [f"{k} {theirs.get(k)} (checkpoint) vs {v} (this run)" for k, v in ours.items() if theirs.get(k) != v]
     if diff:
         raise CheckpointError(f"{path} describes a different model: {'; '.join(diff)}; use the model flags it was saved with")
+
+
+def unreadable(path: Path, e: Exception) -> CheckpointError:
+    """The one line for a checkpoint file that cannot be parsed: what is wrong with it, and what to do."""
+    why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else str(e)
+    return CheckpointError(f"checkpoint damaged: {path} cannot be read ({why}); pick another iteration with --ckpt-step")
 
 
 def _read_text(path: Path, limit: int = 1 << 20) -> str:
@@ -330,7 +336,7 @@ def _read_text(path: Path, limit: int = 1 << 20) -> str:
             raise ValueError(f"larger than {limit} bytes")
         return data.decode("utf-8")
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint damaged: {path} cannot be read ({e})") from None
+        raise unreadable(path, e) from None
 
 
 # meta.json: key -> (accepted types, smallest value). Checked before any tensor is read, so a damaged
@@ -352,7 +358,7 @@ def read_meta(ckpt: Path) -> dict:
     try:
         meta = json.loads(_read_text(path))
     except ValueError as e:
-        raise CheckpointError(f"checkpoint damaged: {path} cannot be read ({e})") from None
+        raise unreadable(path, e) from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint damaged: {path} holds {type(meta).__name__}, not an object")
     if meta.get("format_version") != FORMAT_VERSION:
@@ -386,7 +392,9 @@ def check_files(ckpt: Path, md) -> None:
             raise CheckpointError(f"checkpoint damaged: shard file {path} is missing; pick another iteration with --ckpt-step")
         have = path.stat().st_size
         if have < size:
-            raise CheckpointError(f"checkpoint damaged: shard file {path} is truncated ({have} bytes, needs {size})")
+            raise CheckpointError(
+                f"checkpoint damaged: shard file {path} is truncated ({have} bytes, needs {size}); pick another iteration with --ckpt-step"
+            )
 
 
 def verify_checkpoint(ckpt: Path, model: ModelConfig) -> tuple[dict, Any]:
@@ -438,7 +446,7 @@ def decode_rng(path: Path) -> dict[str, torch.Tensor]:
         data = json.loads(_read_text(path))
         return {k: torch.frombuffer(bytearray(base64.b64decode(v, validate=True)), dtype=torch.uint8) for k, v in data.items()}
     except (ValueError, TypeError, AttributeError) as e:  # binascii.Error is a ValueError; a non-dict has no .items
-        raise CheckpointError(f"checkpoint damaged: {path} cannot be read ({e})") from None
+        raise unreadable(path, e) from None
 
 
 # ---------------------------------------------------------------- retention and inspection
