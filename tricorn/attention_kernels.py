@@ -211,9 +211,10 @@ def fused_refusals(c: AttentionCall, cap: tuple[int, int] = (9, 0)) -> dict[str,
 
 
 def math_fallback_warning(cfg, cap: tuple[int, int] = (9, 0)) -> Optional[str]:
-    """One line when this config's attention can only run torch's math kernel on CUDA, naming its memory."""
+    """One line when this config's attention can only run torch's math kernel on a CUDA device of compute
+    capability `cap`, naming its memory (the caller asks only for CUDA runs)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
-    if (cfg.device or "cpu") != "cuda" or m.attention_dropout:  # dropout runs the explicit form (dropout.py)
+    if m.attention_dropout:  # dropout runs tricorn's explicit form (model/dropout.py), not SDPA
         return None
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     heads, kv = m.num_attention_heads // tp, max(m.kv_heads // tp, 1)
