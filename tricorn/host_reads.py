@@ -58,7 +58,7 @@ from tricorn.attention_kernels import FUSED, AttentionCall, cuda_sdpa_kernel, fu
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _COPY = torch.ops.aten.copy_.default
 _TO_COPY = torch.ops.aten._to_copy.default
-_MOVES = (_COPY, _TO_COPY)
+_SCALAR_TENSOR = torch.ops.aten.scalar_tensor.default
 _DATA_FACTORIES = (torch.tensor, torch.as_tensor, torch.asarray)
 _SDPA = torch._C._nn.scaled_dot_product_attention
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -119,7 +119,11 @@ class _Dispatch(TorchDispatchMode):
             if device is not None and torch.device(device).type == "cpu":
                 o.read("device-to-host copy")
         out = func(*args, **kwargs)
-        if not o.real and func not in _MOVES:
+        if o.real:
+            return out
+        if func is _SCALAR_TENSOR:  # a Python number wrapped by an operator (torch.where(c, x, 1.0)): neutral
+            pinned.mark_host(out)
+        elif func is not _COPY:  # a .to() onto the device is unmarked again by the function mode
             o.propagate(func, _tensors((args, kwargs)), out)
         return out
 

@@ -52,6 +52,11 @@ def host_kind(t: torch.Tensor) -> str | None:
     return _HOST_STORAGES.get(t.untyped_storage())
 
 
+def in_host_memory(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether t is host memory while the run computes on `device` (offloaded state; registered on a stand-in run)."""
+    return t.device != device or host_kind(t) is not None
+
+
 def pin(t: torch.Tensor) -> torch.Tensor:
     """t in pinned memory (a host copy when it was pageable); registered instead on a CPU stand-in run."""
     if t.is_pinned():
