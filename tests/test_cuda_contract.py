@@ -222,4 +222,3 @@ def test_fp32_with_gqa_warns_with_its_memory():
 def test_grouped_gemm_only_on_its_fast_path(device, dtype, cap, fast):
     assert grouped_mm_fast(device, dtype, cap, [128, 192]) is fast
     assert not grouped_mm_fast(device, dtype, cap, [128, 100])  # rows not 16-byte multiples
-

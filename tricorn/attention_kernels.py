@@ -221,10 +221,19 @@ def math_fallback_warning(cfg, cap: tuple[int, int] = (9, 0)) -> Optional[str]:
     dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
     b, s, d = t.micro_batch_size, m.seq_length, m.head_dim
     if cp > 1:  # parallel/context.py: k, v expanded to q's heads, a boolean causal mask by global position
-        call = AttentionCall((b, heads, s // cp, d), (b, heads, s, d), (b, heads, s, d), (dtype,) * 3, (1, 1, 1), (0, 0, 0), mask=(s // cp, s))
+        call = AttentionCall(
+            (b, heads, s // cp, d), (b, heads, s, d), (b, heads, s, d), (dtype,) * 3, (1, 1, 1), (0, 0, 0), mask=(s // cp, s)
+        )
     else:  # model/spec.py sdpa_causal
         call = AttentionCall(
-            (b, heads, s, d), (b, kv, s, d), (b, kv, s, d), (dtype,) * 3, (1, 1, 1), (0, 0, 0), is_causal=True, enable_gqa=kv != heads
+            (b, heads, s, d),
+            (b, kv, s, d),
+            (b, kv, s, d),
+            (dtype,) * 3,
+            (1, 1, 1),
+            (0, 0, 0),
+            is_causal=True,
+            enable_gqa=kv != heads,
         )
     if cuda_sdpa_kernel(call, cap) != MATH:
         return None

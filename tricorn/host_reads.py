@@ -147,7 +147,9 @@ class _Function(TorchFunctionMode):
         if func is _SDPA:
             b = _bind_sdpa(args, kwargs)
             keys = ("attn_mask", "dropout_p", "is_causal", "enable_gqa")
-            o.attention.append(AttentionCall.of(b["query"], b["key"], b["value"], **{k: b[k] for k in keys if k in b}, where=_caller()))
+            o.attention.append(
+                AttentionCall.of(b["query"], b["key"], b["value"], **{k: b[k] for k in keys if k in b}, where=_caller())
+            )
         elif func in _device_constructors():
             return o.created(func, args, kwargs)
         elif method and name in ("to", "cuda", "cpu"):

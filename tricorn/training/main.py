@@ -113,7 +113,6 @@ def cast_params(model, cfg: Config) -> None:
 def build_loaders(cfg: Config, state):
     """(train, valid) loaders of this DP rank (mock data or the .bin/.idx datasets)."""
     from tricorn.data.loader import build_loaders as data_loaders
-
     from tricorn.pinned import pins_host_memory
 
     train, valid, _ = data_loaders(cfg, state.dp_rank, state.dp_size)
