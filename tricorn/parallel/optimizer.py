@@ -193,7 +193,7 @@ class Optimizer:
             if isinstance(scale, torch.Tensor):
                 inv_scale = scale.to(device, torch.float32).reciprocal().reshape(1)
             else:  # --loss-scale: a Python float, filled on the device (as_tensor of it would be a host copy)
-                inv_scale = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device)
+                inv_scale = torch.full((1,), scale, dtype=torch.float32, device=device).reciprocal()  # bits as before
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
         found = found.to(self.state.device)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
