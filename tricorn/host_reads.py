@@ -234,9 +234,11 @@ class HostReadCounter:
     def moved(self, func, name: str, args: tuple, kwargs: dict) -> Any:
         src = args[0]
         if name == "cpu":
+            if self.real:  # the dispatch mode sees the device-to-host _to_copy
+                return func(*args, **kwargs)
             if not self.is_host(src):
                 self.read(".cpu()")
-            return pinned.mark_host(func(*args, **kwargs)) if not self.real else func(*args, **kwargs)
+            return pinned.mark_host(func(*args, **kwargs))
         if name == "cuda":
             non_blocking = bool(kwargs.get("non_blocking", False))
             device: Optional[torch.device] = torch.device("cuda")
