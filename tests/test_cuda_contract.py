@@ -222,3 +222,18 @@ def test_fp32_with_gqa_warns_with_its_memory():
 def test_grouped_gemm_only_on_its_fast_path(device, dtype, cap, fast):
     assert grouped_mm_fast(device, dtype, cap, [128, 192]) is fast
     assert not grouped_mm_fast(device, dtype, cap, [128, 100])  # rows not 16-byte multiples
+
+
+def test_cuda_runs_pin_their_batches():
+    """What the stand-in takes for granted: on CUDA build_loaders makes the loader pin (no CUDA touched here)."""
+    from types import SimpleNamespace
+
+    from tricorn.training.main import build_loaders, resolve_config
+
+    cfg = resolve_config(
+        "--device cpu --mock-data --num-layers 1 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --micro-batch-size 1 --global-batch-size 1 --vocab-size 64".split()
+    )
+    for device, pinned_batches in (("cuda", True), ("cpu", False)):
+        train, _ = build_loaders(cfg, SimpleNamespace(device=torch.device(device), dp_rank=0, dp_size=1))
+        assert train.pin_memory is pinned_batches
