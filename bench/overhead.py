@@ -13,8 +13,10 @@ It prints tokens/s of each (median and best), the trainer's tokens/s over the ba
 trainer's step time over forward+backward (goal <= 1.03), both as medians of the per-round ratios
 (each round's three iterations ran within a few seconds of each other). Then the AdamW step alone on this
 model's parameters, foreach against fused, and the trainer's whole Optimizer.step() (norm, clip, AdamW);
-then host reads (device synchronisations, tricorn.host_reads) per iteration after the first: the bare
-loop reads its loss every iteration, the trainer once per --log-interval (10).
+then, per iteration after the first and with the CPU standing in for CUDA (tricorn.host_reads), the
+device-to-host reads and the host-to-device copies (and how many of those are blocking or from pageable
+memory) of the bare loop (which reads its loss every iteration and copies its microbatches as a plain
+PyTorch loop does) and of the trainer (reads once per --log-interval (10), copies non-blocking from pinned).
 
     .venv/bin/python bench/overhead.py [--iters 20] [--hidden 256] [--layers 4] [--seq 256]
     .venv/bin/python bench/overhead.py --tp 2 --sp    # 2 ranks: TP2+SP tokens/s over TP2 (goal >= 0.95)
@@ -48,6 +50,7 @@ from tricorn.model import GPTModel  # noqa: E402
 from tricorn.parallel.optimizer import param_groups  # noqa: E402
 from tricorn.parallel.shard_state import adamw_kind  # noqa: E402
 from tricorn.parallel.state import destroy_parallel, init_parallel  # noqa: E402
+from tricorn.pinned import stand_in  # noqa: E402
 from tricorn.training.logging import MetricsLogger  # noqa: E402
 from tricorn.training.lr_schedule import learning_rate  # noqa: E402
 from tricorn.training.main import build_trainer  # noqa: E402
@@ -63,10 +66,11 @@ def config(args: argparse.Namespace, world: int, extra: str = "") -> Config:
     return config_from_args(argv, world_size=world)
 
 
-def batches(cfg: Config, n: int) -> list:
+def batches(cfg: Config, n: int, pin: bool = False) -> list:
     from tricorn.data.base import GlobalBatchLoader, MockSamples
 
     loader = GlobalBatchLoader(MockSamples(cfg.model.vocab_size, cfg.model.seq_length, cfg.training.seed), 0, 1)
+    loader.pin_memory = pin
     return [loader.next(cfg.training.global_batch_size) for _ in range(n)]
 
 
@@ -94,6 +98,7 @@ class Bare:
         self.model = _model(cfg)
         self.opt = _adamw(param_groups([self.model], cfg.training.weight_decay), cfg, adamw_kind(torch.device("cpu")))
         self.iteration = 0
+        self.device = torch.device("cpu")
 
     def step(self, batch) -> None:
         t = self.cfg.training
@@ -103,6 +108,7 @@ class Bare:
         self.opt.zero_grad(set_to_none=True)
         n = batch.loss_mask.sum()
         for mb in _microbatches(self.cfg, batch):
+            mb = mb.to(self.device)  # what a plain loop does on CUDA (pageable, blocking); nothing on CPU
             loss = (self.model(mb.tokens, mb.labels) * mb.loss_mask).sum() / n
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.clip_grad, foreach=True)
@@ -195,16 +201,29 @@ def optimizer_step_times(cfg: Config, rounds: int = 15) -> dict[str, list[float]
     return interleave({name: (lambda _b, o=o: o.step()) for name, o in opts.items()}, [None] * (rounds + 1))
 
 
-def host_reads(side, batches: list) -> list[int]:
-    """Host reads per iteration, after the first (which builds state)."""
-    reads = []
-    for i, batch in enumerate(batches):
-        counter = HostReadCounter(side.host_scalars())
-        with counter if i else HostReadCounter():
-            side.step(batch)
-        if i:
-            reads.append(counter.count)
-    return reads
+def host_contract(side, cfg: Config, n: int) -> list[tuple[int, int, int]]:
+    """(device-to-host reads, host-to-device copies, blocking or pageable ones) per iteration after the first,
+    with the CPU standing in for CUDA (tricorn.pinned.stand_in: the trainer's batches come pinned, as on CUDA)."""
+    with stand_in():
+        with HostReadCounter():  # built as a loader builds them: in host memory (pageable for the bare loop)
+            data = batches(cfg, n)
+        if isinstance(side, TrainerSide):  # the trainer reads its own loader
+            side.trainer.train_loader.pin_memory = True  # what build_loaders sets on CUDA
+        out = []
+        for i, batch in enumerate(data):
+            counter = HostReadCounter(side.host_scalars())
+            with counter:
+                side.step(batch)
+            if i:
+                out.append((counter.count, len(counter.copies), len(counter.blocking_copies())))
+        if isinstance(side, TrainerSide):
+            side.trainer.train_loader.pin_memory = False
+    return out
+
+
+def _per_iteration(counts: list[tuple[int, int, int]]) -> str:
+    reads, copies, blocking = (sum(c[k] for c in counts) / len(counts) for k in range(3))
+    return f"{reads:.2f} device-to-host reads, {copies:.2f} host-to-device copies ({blocking:.2f} blocking or pageable)"
 
 
 def single_process(args: argparse.Namespace) -> None:
@@ -231,12 +250,12 @@ def single_process(args: argparse.Namespace) -> None:
     print(f"AdamW step alone, {n / 1e6:.2f}M params, ms median: {line}")
     o = trainer.optimizer_seconds[1:]
     print(f"trainer Optimizer.step() (norm, clip, AdamW) ms: median {1000 * statistics.median(o):.2f}, min {1000 * min(o):.2f}")
-    extra = batches(cfg, 12)
-    bare_reads, our_reads = host_reads(bare, extra), host_reads(trainer, extra)
+    bare_counts, our_counts = host_contract(bare, cfg, 12), host_contract(trainer, cfg, 12)
+    our_reads = [c[0] for c in our_counts]
+    print(f"per iteration, bare loop: {_per_iteration(bare_counts)}")
     print(
-        f"host reads per iteration: bare {sum(bare_reads) / len(bare_reads):.2f} (max {max(bare_reads)}), "
-        f"trainer {sum(our_reads) / len(our_reads):.2f} (max {max(our_reads)}, "
-        f"{sum(1 for n in our_reads if n == 0)} of {len(our_reads)} iterations with none)"
+        f"per iteration, trainer:   {_per_iteration(our_counts)}; "
+        f"{sum(1 for n in our_reads if n == 0)} of {len(our_reads)} iterations without a read (it logs every 10th)"
     )
     destroy_parallel()
 

@@ -14,6 +14,8 @@ from typing import Optional, Protocol
 
 import torch
 
+from tricorn.pinned import host_side, is_pinned, pin
+
 
 @dataclass
 class Batch:
@@ -35,7 +37,11 @@ class Batch:
         """On `device`; with copy=True always fresh storage (a microbatch then never keeps its batch alive).
         From pinned memory the copy is asynchronous (non_blocking): the host does not wait for it."""
         tensors = (self.tokens, self.labels, self.loss_mask)
-        return Batch(*(t.to(device, copy=copy, non_blocking=t.is_pinned()) for t in tensors), self.sample_ids)
+        return Batch(*(t.to(device, copy=copy, non_blocking=is_pinned(t)) for t in tensors), self.sample_ids)
+
+    def pin(self) -> Batch:
+        """In pinned host memory: on CUDA a copy from pageable memory would make the host wait (cudaMemcpy)."""
+        return Batch(pin(self.tokens), pin(self.labels), pin(self.loss_mask), self.sample_ids)
 
 
 def batch_from_samples(samples: torch.Tensor, pad_id: int = -1, sample_ids: Optional[tuple[int, ...]] = None) -> Batch:
@@ -66,8 +72,12 @@ class SampleSource(Protocol):
 class GlobalBatchLoader:
     """Cuts global batches out of a sample order and hands this DP rank its slice.
 
-    The only state is `consumed_samples`; restoring it resumes exactly.
+    The only state is `consumed_samples`; restoring it resumes exactly. With `pin_memory` (set by the trainer
+    on CUDA: tricorn.pinned.pins_host_memory) batches come in pinned memory, so the trainer's copies of its
+    microbatches to the device are non-blocking.
     """
+
+    pin_memory = False
 
     def __init__(self, source: SampleSource, dp_rank: int, dp_size: int, consumed_samples: int = 0, pad_id: int = -1):
         self.source = source
@@ -81,9 +91,11 @@ class GlobalBatchLoader:
             raise ValueError(f"global batch {global_batch_size} is not divisible by DP size {self.dp_size}")
         per_rank = global_batch_size // self.dp_size
         start = self.consumed_samples + self.dp_rank * per_rank
-        samples = torch.stack([torch.as_tensor(self.source[(start + i) % len(self.source)]) for i in range(per_rank)])
+        with host_side():  # host work by design: the samples are read and cut in host memory
+            samples = torch.stack([torch.as_tensor(self.source[(start + i) % len(self.source)]) for i in range(per_rank)])
+            batch = batch_from_samples(samples, self.pad_id, tuple(range(start, start + per_rank)))
         self.consumed_samples += global_batch_size
-        return batch_from_samples(samples, self.pad_id, tuple(range(start, start + per_rank)))
+        return batch.pin() if self.pin_memory else batch
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples}

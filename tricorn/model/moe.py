@@ -33,8 +33,8 @@ Experts hold their weights stacked, w1 [E, ffn (x2 for SwiGLU, gate/up interleav
 w2 [E, h, ffn]; an expert-parallel split keeps a contiguous range of experts (a ShardInfo on dim 0),
 and each expert is initialised and checkpointed under a global name of its own (...experts.<e>.w1:
 init.expert_name), so values and checkpoints are the same at any split. The expert GEMMs run through
-torch's grouped matmul where the device has it (CUDA, fp32/bf16/fp16, 16-byte aligned rows) and as one
-GEMM per expert into one output otherwise (`_LoopGemm`).
+torch's grouped matmul where it has a fast kernel (CUDA, bf16, compute capability 9.x/10.x, 16-byte aligned rows:
+`grouped_mm_fast`) and as one GEMM per expert into one output otherwise (`_LoopGemm`).
 
 Host reads: the loop of GEMMs and a capacity that drops copies need the per-expert copy counts on the host
 (their shapes depend on the routing): one read per MoE layer and microbatch (`read_counts`); dropless routing
@@ -246,11 +246,22 @@ def update_expert_bias(router: Router, tokens_per_expert: torch.Tensor, rate: fl
     router.expert_bias += rate * torch.sign(load.mean() - load)
 
 
+def grouped_mm_fast(device_type: str, dtype: torch.dtype, capability: tuple[int, int], row_bytes: list[int]) -> bool:
+    """Whether torch's grouped matmul has its fast kernel here: CUDA, bf16, compute capability 9.x or 10.x, rows of
+    16-byte multiples. torch's CUDA _grouped_mm (aten/src/ATen/native/cuda/GroupedBlas.cpp) runs its CUTLASS
+    bf16bf16_grouped_mm only for bf16 inputs and output on a device `_scaled_mm_allowed_device(sm90_only,
+    sm100_only)` accepts (major 9 or 10: SM120 is not among them). Anywhere else it falls back to
+    `_grouped_mm_fallback`, which copies the offsets to the host (offs.cpu(): a device sync) and loops over the
+    experts, so tricorn's own loop (`_LoopGemm`, with one documented read of the counts) is no worse."""
+    ok = device_type == "cuda" and dtype == torch.bfloat16 and capability[0] in (9, 10)
+    return ok and all(n % 16 == 0 for n in row_bytes)
+
+
 def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """torch's grouped matmul runs on CUDA in fp32/bf16/fp16 with rows a multiple of 16 bytes (its backward too)."""
-    if x.device.type != "cuda" or not hasattr(F, "grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if x.device.type != "cuda" or not hasattr(F, "grouped_mm"):
         return False
-    return all(w.shape[-1] * x.element_size() % 16 == 0 and w.shape[-2] * x.element_size() % 16 == 0 for w in weights)
+    rows = [n * x.element_size() for w in weights for n in (w.shape[-1], w.shape[-2])]
+    return grouped_mm_fast(x.device.type, x.dtype, torch.cuda.get_device_capability(x.device), rows)
 
 
 class _LoopGemm(torch.autograd.Function):

@@ -10,8 +10,9 @@ Attention all-gathers the keys and values of the whole sequence over the CP
 group (forward: all-gather of k, v; backward: reduce-scatter of their
 gradients) and masks causally by global position - the "all-gather KV" form of
 CP (as in Llama 3 training) rather than ring attention: simpler, and with GQA
-the gathered k/v are small. Memory: activations / CP, plus the full-sequence
-k, v of one layer at a time. Parameter gradients are summed over DP x CP by
+the gathered k/v are small (with GQA they are repeated to the query heads for the
+kernel call, so that CUDA runs the memory-efficient kernel: see attention_kernels.py). Memory: activations / CP,
+plus the full-sequence k, v of one layer at a time. Parameter gradients are summed over DP x CP by
 the data-parallel reduction, like DP replicas.
 """
 
@@ -70,7 +71,13 @@ def context_parallel_attention(group: dist.ProcessGroup, seq_length_local: int):
         if dropout is not None:  # masks drawn by global position: the same as one process draws
             return attention_with_dropout(q, k, v, dropout, q_pos, k_pos)
         mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # True = may attend
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        if k.shape[1] != q.shape[1]:
+            # On CUDA flash takes no mask and torch 2.13's efficient kernel no GQA, so a masked call with
+            # enable_gqa runs the math kernel (fp32 scores [b, h, s/CP, s]). With k, v repeated to q's heads
+            # the efficient kernel takes it; the cost is the gathered k, v at full head count for one layer.
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     return core
 

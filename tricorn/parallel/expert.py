@@ -208,7 +208,8 @@ class MoEMonitor:
             return
         stats = self._read_routers()
         dist.all_reduce(stats, group=self.dp_cp_group)
-        rate = self.bias_rate * (1.0 - torch.as_tensor(skipped, dtype=torch.float32, device=stats.device))
+        # A Python bool (no loss scaler) stays a number: as a tensor it would be a host-to-device copy on CUDA.
+        rate = self.bias_rate * (1.0 - skipped.float()) if isinstance(skipped, torch.Tensor) else self.bias_rate * (not skipped)
         for row, layer in enumerate(self.moe_layers):
             if layer in self.routers:
                 update_expert_bias(self.routers[layer], stats[row, : self.num_experts], rate)

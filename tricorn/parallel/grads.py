@@ -33,6 +33,7 @@ from torch import nn
 
 from tricorn.model.init import INIT_KEY_ATTR, is_expert, is_tp_split
 from tricorn.parallel.state import ParallelState
+from tricorn.pinned import in_host_memory, pin
 
 
 def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
@@ -131,8 +132,12 @@ def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Sum of squares of `grads` in fp32 on `device`; one fused kernel per dtype/device group, not a Python loop."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
+    squares = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).pow(2).sum()
+    if not in_host_memory(grads[0], device):
+        return squares
     # With --optimizer-cpu-offload the gradients are host staging buffers; NCCL reduces device tensors only.
-    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).pow(2).sum().to(device)
+    # From pinned memory the copy does not make the host wait (a pageable one is a synchronous cudaMemcpy).
+    return pin(squares).to(device, non_blocking=True)
 
 
 def clip_grads(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor, grad_fn: GradFn = grad_of) -> None:
@@ -144,7 +149,12 @@ def clip_grads(params: Iterable[torch.Tensor], max_norm: float, total_norm: torc
     grads = [g for g in (grad_fn(p) for p in params) if g is not None]
     if max_norm <= 0 or not grads:
         return
-    norm = total_norm.to(grads[0].device, torch.float64)
+    if in_host_memory(grads[0], total_norm.device):
+        # --optimizer-cpu-offload: the host clips its own gradients, so it reads the norm (reduced on the device):
+        # the one device read of an offloaded step, besides the wait for the gradients' copies (optimizer.py).
+        norm = total_norm.cpu().double()
+    else:
+        norm = total_norm.to(grads[0].device, torch.float64)
     clip = torch.isfinite(norm) & (norm > max_norm)
     coef = torch.where(clip, max_norm / (norm + 1e-6), 1.0).to(torch.float32)
     torch._foreach_mul_(grads, coef)

@@ -190,7 +190,10 @@ class Optimizer:
         device = grads[0].device if grads else self.state.device
         found = torch.zeros(1, dtype=torch.float32, device=device)
         if grads:
-            inv_scale = torch.as_tensor(scale, dtype=torch.float32, device=device).reciprocal().reshape(1)
+            if isinstance(scale, torch.Tensor):
+                inv_scale = scale.to(device, torch.float32).reciprocal().reshape(1)
+            else:  # --loss-scale: a Python float, filled on the device (as_tensor of it would be a host copy)
+                inv_scale = torch.full((1,), scale, dtype=torch.float32, device=device).reciprocal()  # bits as before
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
         found = found.to(self.state.device)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
@@ -284,8 +287,14 @@ class Optimizer:
             self.scaler.load_state_dict(state["loss_scaler"])
 
     def host_scalars(self) -> list[torch.Tensor]:
-        """Tensors kept in host memory by design (foreach AdamW's step counters): reading them syncs nothing."""
-        return [step for s in self.shards for step in s._steps() if step.device.type == "cpu" and s.adam and not s.fused]
+        """Tensors kept in host memory by design (foreach AdamW's step counters, and every step counter of an
+        offloaded shard, which the host's AdamW steps): reading them syncs nothing."""
+        return [
+            step
+            for s in self.shards
+            for step in s._steps()
+            if step.device.type == "cpu" and s.adam and (not s.fused or s.offloaded)
+        ]
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Every tensor this rank holds for the model state, by category (memory_report.py counts storages)."""

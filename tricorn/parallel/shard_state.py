@@ -24,6 +24,7 @@ from torch import nn
 
 from tricorn.config import TrainingConfig
 from tricorn.parallel.data_parallel import Bucket
+from tricorn.pinned import host_buffer, is_pinned, pins_host_memory
 
 
 @dataclass
@@ -62,8 +63,9 @@ def adamw_kind(device: torch.device) -> dict:
     return {"fused": True} if device.type in _get_fused_kernels_supported_devices() else {"foreach": True}
 
 
-def _buffer(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
-    return torch.zeros(numel, dtype=dtype, device=device, pin_memory=pin)
+def _buffer(numel: int, dtype: torch.dtype, device: torch.device, offload: bool, pin: bool) -> torch.Tensor:
+    """Offloaded state lives in host memory (pinned on CUDA: its copies to and from the device do not block)."""
+    return host_buffer(numel, dtype, pin) if offload else torch.zeros(numel, dtype=dtype, device=device)
 
 
 class ShardState:
@@ -72,15 +74,15 @@ class ShardState:
         shard = bucket.shard_param()
         self.offloaded = offload
         home = torch.device("cpu") if offload else shard.device
-        pin = offload and shard.device.type == "cuda"
+        pin = offload and pins_host_memory(shard.device)
         # fp32 parameters on the device are their own master copy.
         self.alias = shard.dtype == torch.float32 and not offload
-        self.master = shard if self.alias else _buffer(shard.numel(), torch.float32, home, pin).copy_(shard)
-        self.exp_avg = _buffer(shard.numel(), torch.float32, home, pin)
-        self.exp_avg_sq = _buffer(shard.numel(), torch.float32, home, pin)
+        self.master = shard if self.alias else _buffer(shard.numel(), torch.float32, home, offload, pin).copy_(shard)
+        self.exp_avg = _buffer(shard.numel(), torch.float32, home, offload, pin)
+        self.exp_avg_sq = _buffer(shard.numel(), torch.float32, home, offload, pin)
         needs_grad_copy = offload or bucket.grad_dtype != torch.float32
-        self.grad_staging = _buffer(bucket.shard_size, torch.float32, home, pin) if needs_grad_copy else None
-        self.param_staging = _buffer(shard.numel(), shard.dtype, home, pin) if pin else None
+        self.grad_staging = _buffer(bucket.shard_size, torch.float32, home, offload, pin) if needs_grad_copy else None
+        self.param_staging = _buffer(shard.numel(), shard.dtype, home, offload, pin) if pin else None
         # (param, lo, hi, first element of the param): shard range [lo, hi) holds p.view(-1)[first : first + hi - lo].
         self.entries: list[tuple[nn.Parameter, int, int, int]] = []
         for s in bucket.slots:
@@ -111,7 +113,7 @@ class ShardState:
         grads = self.bucket.shard_grad()
         if self.grad_staging is None:
             return grads
-        return self.grad_staging.copy_(grads, non_blocking=self.grad_staging.is_pinned())
+        return self.grad_staging.copy_(grads, non_blocking=is_pinned(self.grad_staging))
 
     def step(self, grads: torch.Tensor, found_inf: Optional[torch.Tensor] = None) -> None:
         """AdamW on the owned range; with `found_inf` a True flag leaves everything untouched."""

@@ -20,8 +20,8 @@ in the compute dtype, and sharded over the sequence (SP) or the tensor dimension
     attention_output  e / t                           SDPA's output is the out projection's input
     attention_core    4a / (h t)                      flash / memory-efficient SDPA: fp32 log-sum-exp per head and
                                                       token; no s x s tensor is stored
-    (CP over c ranks) qkv: e(1 + 2cr) / t            q (RoPE'd) and the all-gathered K and V instead of the local
-                      attention_core + e c s / h      k and v; the [s, c s] mask, cast to the activation dtype, on
+    (CP over c ranks) qkv: e(1 + 2c) / t             q (RoPE'd) and the all-gathered K and V (repeated to the a query
+                      attention_core + e c s / h      heads) instead of the local k and v; the [s, c s] mask, cast to the activation dtype, on
                                                       every TP rank
     mlp               3e f/(h t) SwiGLU               gate|up (2f, lean.swiglu) and its output (f, w2's input)
                       2e f/(h t) GeLU                 w1 output, gelu output
@@ -212,8 +212,8 @@ def layer_activation_terms(
         core = 0.0
     elif profile.uses_flash(model.attention_dropout):
         core = 4.0 * a * s * b
-        if cp > 1:  # SDPA keeps the all-gathered K and V instead of the local k and v, and its [s, cp s] mask
-            qkv = e * s * b * h + 2 * e * cp * s * b * gd
+        if cp > 1:  # SDPA keeps the all-gathered K and V (repeated to a heads: context.py) and its [s, cp s] mask
+            qkv = e * s * b * h + 2 * e * cp * s * b * h
             core += e * s * cp * s * tp  # in the activation dtype, whole on every TP rank (/ t below)
     elif profile.flash:  # our explicit attention with layout-independent dropout (tricorn/model/dropout.py)
         qkv = (1 + 2 * cp) * e * sbh  # q, and the (all-gathered under CP) k, v expanded to a heads: fresh copies

@@ -104,8 +104,10 @@ class Trainer:
     def _cp_slice(self, mb: Batch) -> Batch:
         return slice_batch(mb, self.state.cp_rank, self.state.cp_size)
 
-    def _global_tokens(self, batch: Batch) -> torch.Tensor:
-        tokens = batch.loss_mask.sum().to(self.state.device, torch.float32)
+    def _global_tokens(self, microbatches: list[Batch]) -> torch.Tensor:
+        """Valid tokens of the global batch, counted on the device from the microbatches already copied there
+        (the batch's own mask is in host memory: a host count would be a blocking copy on CUDA)."""
+        tokens = torch.stack([mb.loss_mask.sum(dtype=torch.float32) for mb in microbatches]).sum()
         dist.all_reduce(tokens, group=self.state.dp_group)
         return tokens
 
@@ -123,9 +125,10 @@ class Trainer:
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
-        ctx = StepContext(self.optimizer, self._global_tokens(batch), prepare=self._cp_slice, timers=self.timers)
+        microbatches = self._microbatches(batch, num_microbatches)
+        ctx = StepContext(self.optimizer, self._global_tokens(microbatches), prepare=self._cp_slice, timers=self.timers)
         with self.timers(FORWARD_BACKWARD):
-            local_loss = self.forward_backward(self.chunks, self._microbatches(batch, num_microbatches), ctx)
+            local_loss = self.forward_backward(self.chunks, microbatches, ctx)
         with self.timers(GRADS_REDUCE_WAIT):
             self.optimizer.finish_grad_sync()
         with self.timers(OPTIMIZER_STEP):
@@ -151,9 +154,9 @@ class Trainer:
         gbs, nmb = self.batch_sizes()
         total = torch.zeros((), dtype=torch.float32, device=self.state.device)
         for _ in range(self.cfg.data.eval_iters):
-            batch = self.valid_loader.next(gbs)
-            ctx = StepContext(self.optimizer, self._global_tokens(batch), forward_only=True, prepare=self._cp_slice)
-            total += self._reduce_loss(self.forward_backward(self.chunks, self._microbatches(batch, nmb), ctx))
+            microbatches = self._microbatches(self.valid_loader.next(gbs), nmb)
+            ctx = StepContext(self.optimizer, self._global_tokens(microbatches), forward_only=True, prepare=self._cp_slice)
+            total += self._reduce_loss(self.forward_backward(self.chunks, microbatches, ctx))
         self.optimizer.release_gathered()  # ZeRO-3: a unit kept for its (absent) backward is freed
         self.logger.observe_evaluation(time.perf_counter() - start)  # the ETA counts the remaining evaluations
         return total.item() / self.cfg.data.eval_iters  # one host read per evaluation
@@ -187,8 +190,10 @@ class Trainer:
 
     def _track_nan(self, loss: torch.Tensor, info) -> None:
         """Keep [iteration, loss, grad norm] of the first non-finite, not skipped iteration on the device."""
-        norm = torch.as_tensor(info.grad_norm, device=loss.device)
-        bad = ~(torch.isfinite(loss) & torch.isfinite(norm)) & ~torch.as_tensor(info.skipped, device=loss.device)
+        norm = info.grad_norm if isinstance(info.grad_norm, torch.Tensor) else torch.full((), info.grad_norm, device=loss.device)
+        bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
+        if isinstance(info.skipped, torch.Tensor):  # a Python False (no loss scaler) as a tensor would be a host copy
+            bad = bad & ~info.skipped
         now = torch.stack(
             [torch.full((), float(self.iteration), dtype=torch.float64, device=loss.device), loss.double(), norm.double()]
         )

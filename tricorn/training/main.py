@@ -112,8 +112,12 @@ def cast_params(model, cfg: Config) -> None:
 def build_loaders(cfg: Config, state):
     """(train, valid) loaders of this DP rank (mock data or the .bin/.idx datasets)."""
     from tricorn.data.loader import build_loaders as data_loaders
+    from tricorn.pinned import pins_host_memory
 
     train, valid, _ = data_loaders(cfg, state.dp_rank, state.dp_size)
+    for loader in (train, valid):  # pinned batches: the copies of their microbatches do not make the host wait
+        if loader is not None:
+            loader.pin_memory = pins_host_memory(state.device)
     if cfg.data.num_workers > 0:  # worker processes build the next batches (same samples, same order)
         from tricorn.data.prefetch import PrefetchingBatchLoader
         from tricorn.parallel.batch_schedule import MicrobatchCalculator
@@ -147,6 +151,20 @@ def build_trainer(cfg: Config, state, logger, with_validation: bool = True):
         moe=MoEMonitor.for_model(cfg, chunks, state),
     )
     return trainer
+
+
+def _warn_math_attention(cfg: Config, state) -> None:
+    """One line (rank 0) when attention can only run torch's math kernel on this GPU (fp32 with GQA)."""
+    import torch
+
+    from tricorn.attention_kernels import math_fallback_warning
+    from tricorn.training.logging import warn
+
+    if state.rank != 0 or state.device.type != "cuda":
+        return
+    line = math_fallback_warning(cfg, torch.cuda.get_device_capability(state.device))
+    if line:
+        warn(line)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -199,6 +217,7 @@ def _train(cfg: Config, state, exits) -> int:
     try:
         trainer = build_trainer(cfg, state, logger)
         logger.startup(state, trainer.chunks, trainer.batch_sizes())  # layout, parameters, FLOPs, memory estimate
+        _warn_math_attention(cfg, state)
         ckpt = Checkpointer(cfg, state, logger.console)
         ckpt.load(trainer)  # --load: model, optimizer, data position, RNG (any saved layout)
         trainer.on_iteration_end = ckpt.iteration_hook(exits)
