@@ -11,19 +11,38 @@ import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parent.parent)}
+CHECKS = {
+    "speed",
+    "transformer-engine",
+    "memory",
+    "layouts",
+    "host-reads",
+    "async-save-staging",
+    "fp16",
+    "cpu-offload",
+    "moe-bf16",
+    "attention-kernel",
+    "sync-debug",
+    "async-save-resume",
+}
 
 
 def test_cpu_smoke_passes_every_check():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke"], env=ENV, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke"], env=ENV, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
-    assert set(summary["checks"]) == {"speed", "transformer-engine", "memory", "layouts", "host-reads", "async-save-staging"}
+    assert set(summary["checks"]) == CHECKS
     statuses = {name: c["status"] for name, c in summary["checks"].items()}
-    # Transformer Engine does not import without a GPU; every other check really runs on the CPU.
+    # Transformer Engine does not import without a GPU: one SKIP line; every other check really runs on the CPU.
     assert statuses.pop("transformer-engine") in ("PASS", "SKIP")
     assert set(statuses.values()) == {"PASS"}, lines
-    assert len([line for line in lines if line.split()[0] in ("PASS", "FAIL", "SKIP")]) == 6
+    assert len([line for line in lines if line.split()[0] in ("PASS", "FAIL", "SKIP")]) == len(CHECKS)
+    assert sum(line.startswith("INFO c cuda-context:") for line in lines) == 1  # the context has its own line
+    checks = summary["checks"]
+    assert checks["fp16"]["skipped"] > 0 and checks["fp16"]["stepped"] > 0  # found_inf both ways
+    assert checks["async-save-resume"]["compared"] > 0
+    assert {"grads_reduce_wait_overlap_ms", "grads_reduce_wait_no_overlap_ms"} <= set(checks["layouts"])
 
 
 def test_refuses_without_a_gpu():
