@@ -44,7 +44,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -125,7 +124,7 @@ class Runner:
         self.device = "cpu" if smoke else "cuda"
         self.model = SMOKE_MODEL if smoke else GPU_MODEL
         self.small = SMOKE_MODEL if smoke else SMALL_GPU_MODEL  # checks about a code path, not about speed
-        self.context: Optional[CudaContext] = None
+        self.context: Optional[Any] = None  # measurements.CudaContext on a GPU
         self._small_base: Optional[dict] = None
 
     def small_base(self) -> dict:
@@ -214,44 +213,8 @@ def _bf16(model: str) -> str:
 # ---------------------------------------------------------------- the CUDA context, measured apart
 
 
-@dataclass
-class CudaContext:
-    bytes: Optional[int]  # device memory the CUDA context of this process takes; None where not measurable
-    how: str
-
-
-def _used_before_init() -> Optional[int]:
-    """Used device memory of GPU 0 read without creating a CUDA context: NVML through torch, else nvidia-smi."""
-    try:
-        return int(torch.cuda.device_memory_used(0))  # pynvml; no context of this process yet
-    except Exception:
-        pass
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
-    if shutil.which("nvidia-smi") is None:
-        return None
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", visible],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    return int(out.stdout.split()[0]) * 2**20 if out.returncode == 0 and out.stdout.strip() else None
-
-
-def measure_cuda_context() -> CudaContext:
-    """The context is what the device loses when this process initialises CUDA: used memory before (NVML, which
-    needs no context) and after (torch.cuda.mem_get_info, cudaMemGetInfo, once the context exists), nothing
-    allocated in between. max_memory_allocated never sees it, which is why check c subtracts the estimator's
-    constant for it and compares this figure with the constant on its own line."""
-    before = _used_before_init()
-    torch.cuda.init()
-    free, total = torch.cuda.mem_get_info()
-    if before is None:
-        return CudaContext(None, f"NVML unavailable; {(total - free) / 2**20:.0f} MiB used after init, other processes included")
-    return CudaContext(total - free - before, "mem_get_info after init minus NVML's used before")
-
-
-def context_line(context: Optional[CudaContext]) -> str:
+def context_line(context: Optional[Any]) -> str:
+    """The INFO line: the CUDA context measured apart (tricorn.training.measurements) next to the estimator's constant."""
     from tricorn.planning.memory import CUDA_OVERHEAD_BYTES
 
     constant = f"estimate_constant_mib={CUDA_OVERHEAD_BYTES / 2**20:.0f}"
@@ -590,6 +553,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
         return 2
     runner = Runner(args.cpu_smoke, args.iters or (10 if args.cpu_smoke else 50))
+    from tricorn.training.measurements import measure_cuda_context
+
     runner.context = None if args.cpu_smoke else measure_cuda_context()  # before anything else touches the GPU
     torch.manual_seed(0)
     base = runner.train()  # local bf16 (fp32 on CPU): the reference every check compares with
