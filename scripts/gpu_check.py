@@ -17,7 +17,7 @@ Checks (one PASS / FAIL / SKIP line each, an INFO line for the CUDA context, the
      pretrain_gpt.py run of 2 ranks equal to 1 device within BF16_BOUND; DP2 also without overlap, and
      grads-reduce-wait (CUDA events, --timing-log-level 1) with overlap must be below it without. With one
      GPU, DP2 runs anyway as two processes sharing it (NCCL); if NCCL refuses, SKIP with its exact error.
-     --cpu-smoke: 2 gloo CPU ranks (the overlap figures are reported, not compared: 2 shared cores).
+     --cpu-smoke: the DP2 pair as 2 gloo CPU ranks (overlap figures reported, not compared: 2 shared cores).
   e  host reads (tricorn.host_reads): 0 in non-logging iterations, at most 3 in logging ones.
   f  --async-save staging: pinned buffers filled on a side stream; the host returns before the copies
      land, and the copies keep the values of the save although the next step rewrites the tensors.
@@ -357,9 +357,11 @@ def check_layouts(r: Runner, c: Check, base: dict) -> None:
         "dp2": f"{dp} --overlap-grad-reduce --overlap-param-gather",
         "dp2_no_overlap": dp,
     }
-    if shared:  # one GPU: the DP pair runs anyway, two NCCL ranks on GPU 0 (TP/PP need a GPU each to mean much)
+    # One GPU: the DP pair runs anyway, two NCCL ranks on GPU 0 (TP/PP need a GPU each to mean much). The CPU smoke
+    # run takes the same path (TP2/PP2 equivalence has its own tests; each launch here costs two interpreters).
+    if shared or r.smoke:
         layouts = {k: v for k, v in layouts.items() if k.startswith("dp2")}
-        c.data["ranks_on_one_gpu"] = 2
+        c.data["ranks_on_one_gpu" if shared else "ranks"] = 2
     reference = r.small_base()["losses"]
     records: dict[str, list[dict]] = {}
     for name, extra in layouts.items():

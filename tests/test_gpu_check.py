@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
@@ -27,6 +28,7 @@ CHECKS = {
 }
 
 
+@pytest.mark.timeout(900)  # ~4 min on a loaded 2-core box: 4 launches of pretrain_gpt.py besides the in-process runs
 def test_cpu_smoke_passes_every_check():
     done = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke"], env=ENV, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
