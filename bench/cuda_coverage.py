@@ -1,7 +1,7 @@
 """Which CUDA-only lines of tricorn a test run leaves unexecuted (issue 26: "CUDA-only lines make test still
 does not execute"), measured with coverage.py.
 
-    .venv/bin/python bench/cuda_coverage.py run [--out DIR] [TESTS ...]   # pytest under coverage, subprocesses too
+    .venv/bin/python bench/cuda_coverage.py run [--out DIR] [--append] [TESTS ...]   # pytest under coverage
     .venv/bin/python bench/cuda_coverage.py report [--out DIR]            # the count and the list
 
 `run` measures the ranks that the tests launch as well (coverage's `patch = subprocess, _exit`; the fork server
@@ -39,6 +39,7 @@ DEFAULT_TESTS = [
     "tests/test_tf32.py",
     "tests/test_group_timeouts.py",
     "tests/test_cuda_context.py",
+    "tests/test_cuda_branches.py",
     "tests/test_host_reads.py",
     "tests/test_te_backend.py",
     "tests/test_gpu_check.py",
@@ -142,14 +143,15 @@ def report(data_file: Path) -> tuple[int, list[Line]]:
     return total, missing
 
 
-def run(out: Path, tests: list[str]) -> int:
+def run(out: Path, tests: list[str], append: bool = False) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rc = out / "coveragerc"
     rc.write_text(f"[run]\nsource = {PACKAGE}\nparallel = true\npatch = subprocess\n    _exit\ndata_file = {out / '.coverage'}\n")
     env = {**os.environ, "TRICORN_TEST_NO_FORK": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
     code = subprocess.run(cmd, cwd=ROOT, env=env).returncode
-    subprocess.run([sys.executable, "-m", "coverage", "combine", f"--rcfile={rc}", "-q"], cwd=ROOT, env=env, check=True)
+    combine = [sys.executable, "-m", "coverage", "combine", f"--rcfile={rc}", "-q", *(["--append"] if append else [])]
+    subprocess.run(combine, cwd=ROOT, env=env, check=True)
     return code
 
 
@@ -157,10 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("command", choices=["run", "report"])
     ap.add_argument("tests", nargs="*", default=DEFAULT_TESTS)
+    ap.add_argument("--append", action="store_true", help="run: add to the data of an earlier run")
     ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "tricorn-cuda-coverage")
     args = ap.parse_args(argv)
     if args.command == "run":
-        code = run(args.out, args.tests)
+        code = run(args.out, args.tests, args.append)
         print(f"tests exit {code}; data in {args.out / '.coverage'}")
     total, missing = report(args.out / ".coverage")
     for line in missing:
