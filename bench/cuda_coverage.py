@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("tests", nargs="*", default=DEFAULT_TESTS)
     ap.add_argument("--append", action="store_true", help="run: add to the data of an earlier run")
     ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "tricorn-cuda-coverage")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # options before or after the test paths
     if args.command == "run":
         code = run(args.out, args.tests, args.append)
         print(f"tests exit {code}; data in {args.out / '.coverage'}")

@@ -49,3 +49,27 @@ def test_nccl_groups_get_nccl_options_with_the_world_timeout(monkeypatch: pytest
     assert isinstance(opts, FakeNcclOptions) and opts._timeout == timedelta(minutes=45)
     assert opts.is_high_priority_stream is False
     assert state_mod.group_options(8) is None  # the whole world: DeviceMesh reuses the world group
+
+
+BASE = "--mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --vocab-size 500".split()
+
+
+def test_device_cuda_without_a_gpu_is_refused_in_one_line(capsys: pytest.CaptureFixture) -> None:
+    from tricorn.training.main import resolve_config
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit) as stop:
+        resolve_config(BASE + ["--device", "cuda"])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and err.count("\n") == 0 and "no CUDA device is visible" in err
+
+
+def test_cuda_configs_are_held_to_the_device_memory(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    from tricorn.training import main
+
+    monkeypatch.setattr(main, "_cuda_visible", lambda: True)
+    monkeypatch.setattr(estimate, "visible_device_memory", lambda: 1 * 1024**2)  # a 1 MiB "GPU": nothing fits
+    with pytest.raises(SystemExit):
+        main.resolve_config(BASE + ["--device", "cuda"])
+    assert "exceeds the device's 0.0 GiB" in capsys.readouterr().err
