@@ -54,3 +54,32 @@ def test_refuses_without_a_gpu():
     assert done.returncode == 2
     assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stderr.startswith("gpu_check: error: no CUDA GPU")
+
+
+def _script_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_only_helpers_with_stand_ins():
+    """What --cpu-smoke cannot reach: TE's FP8 query (both APIs) and the context line with a measured context."""
+    from types import SimpleNamespace
+
+    from tricorn.training.measurements import CudaContext
+
+    gc = _script_module()
+    te1 = SimpleNamespace(
+        fp8=SimpleNamespace(check_fp8_support=lambda: (False, "Device compute capability 8.9 or higher required"))
+    )
+    assert gc.fp8_support(te1) == (False, "Device compute capability 8.9 or higher required")
+    te2 = SimpleNamespace(is_fp8_available=lambda return_reason=False: (True, ""))
+    assert gc.fp8_support(te2) == (True, "")
+    assert gc.fp8_support(SimpleNamespace())[0] is False
+    line = gc.context_line(CudaContext(512 * 2**20, "NVML used after init minus before"))
+    assert line.startswith("INFO c cuda-context: measured_mib=512 estimate_constant_mib=1024")
+    assert "measured_mib=n/a" in gc.context_line(CudaContext(None, "NVML unavailable"))
