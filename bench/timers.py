@@ -11,8 +11,8 @@ Two measurements, because the first is limited by machine noise:
    over many calls) over the median iteration time: the overhead without the noise.
 
 Level 0 hands out a shared do-nothing timer (no clock read, no device synchronisation); level 1
-reads the clock (and on CUDA synchronises the device, not measured here on CPU); level 2 adds one
-small all-reduce per log interval, which this benchmark does not log.
+reads the clock (on CUDA it records events instead, not measured here on CPU); level 2 adds one
+small all-reduce per log interval, which this benchmark does not log (and on CUDA synchronises).
 
     .venv/bin/python bench/timers.py [--hidden 128 --layers 2 --seq 128 --rounds 40 --block 1]
 """

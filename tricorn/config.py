@@ -214,6 +214,7 @@ class TrainingConfig:
     loss_scale_window: int = _f(1000, "Iterations without overflow before the scale doubles.", bound=AT_LEAST_1)
     hysteresis: int = _f(2, "Overflows tolerated before the scale halves.", bound=AT_LEAST_1)
     fp8_format: Optional[str] = _f(None, "FP8 through Transformer Engine (GPU only).", choices=["e4m3", "hybrid"])
+    tf32: bool = _f(True, "fp32 runs on CUDA: matmuls and convolutions on TF32 tensor cores.", negate="--no-tf32")
     check_for_nan_in_loss_and_grad: bool = _f(
         True, "Stop when the loss or grad norm is NaN/Inf.", negate="--no-check-for-nan-in-loss-and-grad"
     )
@@ -269,7 +270,11 @@ class LoggingConfig:
     log_interval: int = _f(10, "Log every N iterations.", bound=AT_LEAST_1)
     log_dir: Optional[str] = _f(None, "Per-rank log files.")
     log_params_norm: bool = _f(False, "Log the parameter norm (costs an extra reduction).")
-    timing_log_level: int = _f(0, "0: iteration time only; 1: per-phase timers; 2: plus min/max over ranks.", choices=[0, 1, 2])
+    timing_log_level: int = _f(
+        0,
+        "0: iteration time only; 1: per-phase timers (CUDA events, no device sync); 2: timers that synchronise the device (debugging), plus min/max over ranks.",
+        choices=[0, 1, 2],
+    )
     peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device for MFU (default: from the GPU table).", bound=POSITIVE)
     metrics_file: Optional[str] = _f(None, "Also append each logged iteration's metrics as one JSON line to this file (rank 0).")
 

@@ -19,6 +19,11 @@ SLURM_NTASKS/SLURM_LOCALID with MASTER_ADDR from the first host of the node
 list. A single `python pretrain_gpt.py` becomes a world of one. Backend: gloo
 on cpu, nccl on cuda. Building the mesh creates the groups (one collective per
 group at start-up); no memory effect beyond the communicators.
+
+Every group gets --distributed-timeout-minutes: torch's new_group() (and so
+DeviceMesh) falls back to the backend default (10 min on NCCL, 30 on gloo), not
+to the world group's timeout, so each group is created with it explicitly
+(`group_options`, `flatten`); `group_timeout` reads it back for the tests.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tricorn.config import Config
@@ -176,6 +182,7 @@ def init_parallel(cfg: Config, init_method: Optional[str] = None) -> ParallelSta
         # Over-subscribed cores make CPU runs 2-4x slower; the user's OMP_NUM_THREADS wins.
         if world > 1 and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)
+    configure_tf32(cfg, device)
     if not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if cfg.device == "cuda" else "gloo",
@@ -186,7 +193,9 @@ def init_parallel(cfg: Config, init_method: Optional[str] = None) -> ParallelSta
         )
     p = cfg.parallel
     shape = (p.pipeline_model_parallel_size, cfg.data_parallel_size, p.context_parallel_size, p.tensor_model_parallel_size)
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp", "cp", "tp"))
+    names = ("pp", "dp", "cp", "tp")
+    override = {name: opts for name, size in zip(names, shape) if (opts := group_options(size)) is not None}
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names, backend_override=override)
     return ParallelState(
         embedding_group=_embedding_group(mesh, rank),
         mesh=mesh,
@@ -198,10 +207,67 @@ def init_parallel(cfg: Config, init_method: Optional[str] = None) -> ParallelSta
         pp_group=mesh.get_group("pp"),
         dp_group=mesh.get_group("dp"),
         cp_group=mesh.get_group("cp"),
-        dp_cp_group=mesh["dp", "cp"]._flatten("dp_cp").get_group(),
-        mp_group=mesh["pp", "tp"]._flatten("pp_tp").get_group(),
+        dp_cp_group=flatten(mesh, ("dp", "cp")),
+        mp_group=flatten(mesh, ("pp", "tp")),
         **_expert_groups(mesh, rank, cfg.parallel.expert_model_parallel_size),
     )
+
+
+def configure_tf32(cfg: Config, device: torch.device) -> bool:
+    """TF32 tensor cores for fp32 matmuls and cuDNN convolutions on CUDA, unless --no-tf32; returns whether on.
+
+    torch leaves matmuls at IEEE fp32 by default (8x slower than TF32 on an H100), so an fp32 run would be
+    measured against a TF32 peak it never uses. bf16/fp16 runs keep torch's defaults: their few fp32 matmuls
+    (router, logits) are fp32 on purpose. `allow_tf32` is the flag pair torch 2.13 still honours without a
+    warning (it maps onto the newer `fp32_precision` settings); on CPU nothing changes (no TF32 there)."""
+    if device.type != "cuda" or cfg.param_dtype_name != "fp32":
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = cfg.training.tf32
+    torch.backends.cudnn.allow_tf32 = cfg.training.tf32
+    return cfg.training.tf32
+
+
+def world_timeout() -> timedelta:
+    """The world group's timeout: --distributed-timeout-minutes, which init_parallel gave it."""
+    return group_timeout(dist.group.WORLD)
+
+
+def group_timeout(group: dist.ProcessGroup) -> timedelta:
+    """A group's collective timeout, as its backend holds it. torch 2.13 exposes no public getter; both
+    ProcessGroupGloo and ProcessGroupNCCL keep it in `.options._timeout` (the field distributed_c10d's
+    _new_process_group_helper sets from new_group's timeout), reached through ProcessGroup._get_backend."""
+    device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return group._get_backend(device).options._timeout
+
+
+def group_options(size: int) -> Optional[C10dBackend.Options]:
+    """Backend options carrying the world's timeout for a DeviceMesh dimension (or flattened dimensions) of
+    `size` ranks; None where DeviceMesh reuses the world group itself, which already has it.
+
+    DeviceMesh._init_one_process_group (torch 2.13) passes `pg_options._timeout` on to new_group/split_group
+    and otherwise lets them use the backend default. It reuses the world group for a dimension spanning every
+    rank only without an override, and only when it does not build a fresh group there (a gloo world on a
+    machine with CUDA); skipping the override in that case keeps one communicator instead of two."""
+    timeout = world_timeout()
+    backend = dist.get_backend()
+    if size == dist.get_world_size() and not (backend == "gloo" and torch.cuda.is_available()):
+        return None
+    if backend == "nccl":
+        # new_group asserts NCCL options are ProcessGroupNCCL.Options; normal priority as its own default.
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+    else:
+        opts = C10dBackend.Options(backend)
+    opts._timeout = timeout
+    return opts
+
+
+def flatten(mesh: DeviceMesh, dims: tuple[str, ...]) -> dist.ProcessGroup:
+    """The group of `dims` of `mesh` flattened into one dimension, with the world's timeout. A collective."""
+    size = 1
+    for dim in dims:
+        size *= mesh.size(mesh.mesh_dim_names.index(dim))
+    return mesh[dims]._flatten("_".join(dims), backend_override=group_options(size)).get_group()
 
 
 def expert_rank_grid(mesh: DeviceMesh, ep: int) -> torch.Tensor:
@@ -218,7 +284,7 @@ def _expert_groups(mesh: DeviceMesh, rank: int, ep: int) -> dict[str, dist.Proce
     for cut in expert_rank_grid(mesh, ep):  # [expert-DP, ep] per (pp, tp)
         for kind, groups in (("ep_group", cut.tolist()), ("expert_dp_group", cut.t().tolist())):
             for members in groups:
-                group = dist.new_group(members)
+                group = dist.new_group(members, timeout=world_timeout())
                 if rank in members:
                     out[kind] = group
     return out
@@ -231,7 +297,7 @@ def _embedding_group(mesh: DeviceMesh, rank: int) -> Optional[dist.ProcessGroup]
         return None
     mine = None
     for pipeline in ranks.flatten(1).t().tolist():
-        group = dist.new_group([pipeline[0], pipeline[-1]])
+        group = dist.new_group([pipeline[0], pipeline[-1]], timeout=world_timeout())
         if rank in (pipeline[0], pipeline[-1]):
             mine = group
     return mine

@@ -30,6 +30,7 @@ from torch import nn
 
 from tricorn.config import Config
 from tricorn.model.spec import LayerSpec
+from tricorn.parallel.state import flatten
 from tricorn.parallel.tensor import ColumnParallelLinear, RowParallelLinear, reduce_from_tp, reduce_scatter_to_sequence
 
 
@@ -89,7 +90,7 @@ AMAX_DIMS = ("dp", "cp", "tp")  # mesh dimensions of the amax reduction group (n
 
 def amax_reduction_group(mesh) -> dist.ProcessGroup:
     """TP x DP x CP of this rank's pipeline stage (see the module docstring). A collective: all ranks call it."""
-    return mesh[AMAX_DIMS]._flatten("_".join(AMAX_DIMS)).get_group()
+    return flatten(mesh, AMAX_DIMS)
 
 
 def enable_fp8(chunks: list[nn.Module], cfg: Config, amax_group: dist.ProcessGroup) -> None:

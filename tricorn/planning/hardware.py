@@ -2,18 +2,19 @@
 
 Figures are the vendors' datasheet numbers for the SXM parts (dense, i.e. without 2:4 sparsity):
 
-| gpu         | bf16/fp16 | fp8  | tf32 | memory (nvidia-smi)   | HBM      | NVLink per GPU, one direction | network per GPU |
-|-------------|-----------|------|------|-----------------------|----------|-------------------------------|-----------------|
-| a100-80gb   | 312       | -    | 156  | 81920 MiB             | 2.04 TB/s| 300 GB/s (NVLink 3, 12 links) | 25 GB/s (HDR 200 Gb/s) |
-| h100-80gb   | 989       | 1978 | 494  | 81559 MiB             | 3.35 TB/s| 450 GB/s (NVLink 4, 18 links) | 50 GB/s (NDR 400 Gb/s) |
-| h200-141gb  | 989       | 1978 | 494  | 143771 MiB            | 4.8 TB/s | 450 GB/s (NVLink 4, 18 links) | 50 GB/s (NDR 400 Gb/s) |
+| gpu         | bf16/fp16 | fp8  | tf32 | fp32 | memory (nvidia-smi)   | HBM      | NVLink per GPU, one direction | network per GPU |
+|-------------|-----------|------|------|------|-----------------------|----------|-------------------------------|-----------------|
+| a100-80gb   | 312       | -    | 156  | 19.5 | 81920 MiB             | 2.04 TB/s| 300 GB/s (NVLink 3, 12 links) | 25 GB/s (HDR 200 Gb/s) |
+| h100-80gb   | 989       | 1978 | 494  | 67   | 81559 MiB             | 3.35 TB/s| 450 GB/s (NVLink 4, 18 links) | 50 GB/s (NDR 400 Gb/s) |
+| h200-141gb  | 989       | 1978 | 494  | 67   | 143771 MiB            | 4.8 TB/s | 450 GB/s (NVLink 4, 18 links) | 50 GB/s (NDR 400 Gb/s) |
 
 The network column assumes the DGX/HGX layout of one InfiniBand NIC per GPU (rail-optimised). Collectives reach
 a fraction of these link rates; the planner applies ``BUS_EFFICIENCY`` (what nccl-tests' busbw typically shows
 against the link rate) instead of pretending to the datasheet figure.
 
-fp32 training runs its matmuls on TF32 tensor cores when PyTorch allows it, so its peak is the TF32 figure;
-fp8 is twice bf16 (Transformer Engine), and the A100 has no fp8 tensor cores.
+fp32 training on CUDA runs its matmuls on TF32 tensor cores (tricorn enables them; `--no-tf32` turns them off),
+so its peak is the TF32 figure, and with --no-tf32 the fp32 (CUDA-core, non-tensor) figure: `mfu_dtype` picks
+the row. fp8 is twice bf16 (Transformer Engine), and the A100 has no fp8 tensor cores.
 No collectives, no device work.
 """
 
@@ -39,6 +40,7 @@ class GPUSpec:
     hbm_bytes_per_s: float
     nvlink_bytes_per_s: float  # per GPU, one direction, within a node
     network_bytes_per_s: float  # per GPU, one direction, between nodes
+    fp32_tflops: float  # IEEE fp32 on the CUDA cores: matmuls with TF32 off
     gpus_per_node: int = 8
 
     @property
@@ -46,23 +48,35 @@ class GPUSpec:
         return self.memory_bytes / GiB
 
     def peak_tflops(self, dtype: str) -> float:
-        """Dense tensor-core peak for the compute dtype: bf16, fp16, fp8 or fp32 (TF32)."""
+        """Dense peak for the compute dtype: bf16, fp16, fp8, tf32 (tensor cores) or fp32 (IEEE, CUDA cores)."""
         if dtype in ("bf16", "fp16"):
             return self.bf16_tflops
         if dtype == "fp8":
             if not self.has_fp8:
                 raise ValueError(f"{self.name} has no fp8 tensor cores; train in bf16 on it")
             return 2 * self.bf16_tflops  # the datasheets' 1979 rounds 2 x 989.4
-        if dtype == "fp32":
+        if dtype == "tf32":
             return self.tf32_tflops
-        raise ValueError(f"unknown compute dtype '{dtype}': use bf16, fp16, fp8 or fp32")
+        if dtype == "fp32":
+            return self.fp32_tflops
+        raise ValueError(f"unknown compute dtype '{dtype}': use bf16, fp16, fp8, tf32 or fp32")
 
 
 GPUS: dict[str, GPUSpec] = {
-    "a100-80gb": GPUSpec("a100-80gb", 312.0, 156.0, False, 81920 * MiB, 2.039e12, 300e9, 25e9),
-    "h100-80gb": GPUSpec("h100-80gb", 989.0, 494.0, True, 81559 * MiB, 3.35e12, 450e9, 50e9),
-    "h200-141gb": GPUSpec("h200-141gb", 989.0, 494.0, True, 143771 * MiB, 4.8e12, 450e9, 50e9),
+    "a100-80gb": GPUSpec("a100-80gb", 312.0, 156.0, False, 81920 * MiB, 2.039e12, 300e9, 25e9, 19.5),
+    "h100-80gb": GPUSpec("h100-80gb", 989.0, 494.0, True, 81559 * MiB, 3.35e12, 450e9, 50e9, 67.0),
+    "h200-141gb": GPUSpec("h200-141gb", 989.0, 494.0, True, 143771 * MiB, 4.8e12, 450e9, 50e9, 67.0),
 }
+
+
+def mfu_dtype(param_dtype: str, fp8: bool, tf32: bool) -> str:
+    """The table row the matmuls run at: fp8 under --fp8-format, else the parameter dtype, where fp32 means the
+    TF32 tensor cores unless --no-tf32 turned them off (tricorn.parallel.state.configure_tf32)."""
+    if fp8:
+        return "fp8"
+    if param_dtype == "fp32":
+        return "tf32" if tf32 else "fp32"
+    return param_dtype
 
 
 def get_gpu(name: str) -> GPUSpec:

@@ -35,7 +35,7 @@ import torch
 
 from tricorn.config import Config, dump_yaml
 from tricorn.planning.flops import IterationFlops, iteration_flops_for_config, mfu, tflops_per_device
-from tricorn.planning.hardware import detect_gpu_type, peak_tflops
+from tricorn.planning.hardware import detect_gpu_type, mfu_dtype, peak_tflops
 from tricorn.timers import PHASES, Timers
 from tricorn.training.measurements import max_over_ranks, memory_bytes, parameter_counts, params_norm
 
@@ -163,7 +163,8 @@ class MetricsLogger:
             _write_atomic(os.path.join(cfg.logging.log_dir, "config.yaml"), dump_yaml(cfg))
 
     def _peak(self) -> tuple[Optional[float], str]:
-        dtype = "fp8" if self.cfg.training.fp8_format else self.cfg.param_dtype_name
+        t = self.cfg.training
+        dtype = mfu_dtype(self.cfg.param_dtype_name, bool(t.fp8_format), t.tf32)
         override = self.cfg.logging.peak_tflops
         gpu = detect_gpu_type() if self.device.type == "cuda" and override is None else None
         try:

@@ -13,7 +13,7 @@ the device and reads it at each log line, every --nan-check-interval iterations,
 every checkpoint save: a NaN stops the run at the first of those after it happens (latency
 up to --log-interval iterations by default), never after a checkpoint of the bad state.
 On CUDA the trainer synchronises the device only in logging iterations, so the interval's
-wall time includes its kernels; phase timers synchronise only at --timing-log-level >= 1.
+wall time includes its kernels; phase timers synchronise only at --timing-log-level 2 (timers.py).
 """
 
 from __future__ import annotations

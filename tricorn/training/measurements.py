@@ -3,17 +3,20 @@
 Collectives: ``params_norm`` one scalar all-reduce over TP x PP (and one over EP with MoE experts, or over
 DP x CP with the distributed optimizer); ``parameter_counts`` one all-gather of 4 integers per rank over the world;
 ``max_over_ranks`` one all-reduce (max) of a short vector. Memory: scalars only (the norm streams over the
-owned parameter ranges; nothing is gathered).
+owned parameter ranges; nothing is gathered). ``measure_cuda_context``: the device memory the CUDA context of
+this process takes (gpu_check c), read once at start-up.
 """
 
 from __future__ import annotations
 
 import os
 import resource
+import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -102,3 +105,43 @@ def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.cpu().tolist()
+
+
+@dataclass
+class CudaContext:
+    bytes: Optional[int]  # device memory the CUDA context of this process takes; None where not measurable
+    how: str
+
+
+def _used_device_memory() -> Optional[int]:
+    """Used memory of GPU 0 as the driver reports it, readable without a CUDA context in this process: NVML
+    through torch (pynvml), else nvidia-smi; None when neither is there."""
+    try:
+        return int(torch.cuda.device_memory_used(0))
+    except Exception:
+        pass
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", visible],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return int(out.stdout.split()[0]) * 2**20 if out.returncode == 0 and out.stdout.strip() else None
+
+
+def measure_cuda_context() -> CudaContext:
+    """The context is what the device loses when this process initialises CUDA, nothing allocated yet: used
+    memory before and after the first torch.cuda.mem_get_info (cudaMemGetInfo needs, so creates, the context),
+    both read by the same reader (NVML and cudaMemGetInfo count the driver's reserve differently).
+    max_memory_allocated never sees the context, which is why check c takes the estimator's constant for it
+    out of the estimate and this figure is compared with the constant on its own line."""
+    before = _used_device_memory()
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info()
+    after = _used_device_memory()
+    if before is None or after is None:
+        return CudaContext(None, f"NVML unavailable; {(total - free) / 2**20:.0f} MiB used after init, other processes included")
+    return CudaContext(after - before, f"NVML used after init minus before; mem_get_info: {(total - free) / 2**20:.0f} MiB used")
