@@ -66,6 +66,12 @@ the int64 position ids (8s bytes) the chunk's first checkpoint keeps. Attention 
 (the explicit attention is ours, not a torch kernel). The GPU rows assume flash / memory-efficient SDPA; they
 were not measured on a GPU.
 
+With --torch-compile (``compiled``) the layer is what inductor's partitioner keeps, measured by the same probe
+(tests/test_compile.py): every row above except rope_tables - the compiled backward gathers the cos / sin rows
+again from the fp32 tables (a buffer) by the int64 position ids, which the chunk's first compiled layer keeps
+(8s bytes per chunk, as under full recompute). Everything else is saved as in eager mode: the partitioner
+keeps the autograd Functions' own saved tensors (lean.py) and the GEMMs' inputs, and recomputes nothing else.
+
 Microbatches in flight on pipeline stage r of p with M microbatches: 1F1B min(p - r, M); interleaved with v
 chunks min(2(p - r - 1) + (v - 1)p + 1, Mv) chunk-forwards of L/(pv) layers - on the first stage
 L(1 + (p - 1)/(pv)) layers' worth, Korthikanti's factor; GPipe M; no pipeline 1.
@@ -194,6 +200,7 @@ def layer_activation_terms(
     device: str = "cuda",
     cp: int = 1,
     etp: int = 1,
+    compiled: bool = False,
 ) -> LayerActivationTerms:
     """Bytes one layer keeps for backward for one microbatch of ``micro_batch`` x ``seq`` tokens on one rank, by
     term (the module docstring's table); ``seq`` is the rank's sequence length, after CP over ``cp`` ranks."""
@@ -207,6 +214,8 @@ def layer_activation_terms(
     norm = model.normalization
     qkv = e * s * b * (h + 2 * gd)
     rope_tables = profile.rope_rows * e * s * d if model.position_embedding_type == "rope" else 0.0
+    if compiled:  # inductor's partitioner gathers the rows again in backward from the int64 position ids
+        rope_tables = 0.0  # (8s bytes per chunk, kept by its first layer: see the module docstring)
     copies = profile.attention_output_copies - (1 if "core_attn" in selective else 0)
     if "core_attn" in selective:
         core = 0.0
@@ -340,6 +349,7 @@ def layout_layer_bytes(model: ModelConfig, layout: Layout, profile: ActivationPr
         device=layout.device,
         cp=layout.cp,
         etp=layout.etp,
+        compiled=layout.compiled,
     )
     return layer_activation_bytes(model, **(kw | override), profile=profile)
 

@@ -1,0 +1,144 @@
+"""--torch-compile (issue 27): every layer compiled, equal to eager at every layout, compiled once, bytes counted.
+
+Bounds. Inductor computes the same function as eager with its own fusion and summation order (a fused norm
+reduces its row in another order; the GEMMs and attention stay aten's). So:
+
+- float64, one process, in this process (``test_float64_compiled_layers_equal_eager``): the loss and every
+  gradient within 1e-10 relative (norm-wise). A reordered sum of N terms moves by at most ~log2(N) u sum|terms|
+  with u = 1.1e-16; over a 2-layer model's forward and backward the condition number of what we compare stays
+  well below 1e4, so reordering alone gives < 1e-11 - while a wrong fusion, a dropped term or a saved tensor
+  read after it was overwritten moves the result by > 1e-4.
+- fp32, every layout through the trainer (tests/harness.py): compiled runs equal the eager single-process run
+  within harness.FP32_RTOL, the bound every layout already meets - its argument (reordered fp32 sums, a few
+  ulps of the loss, carried but not grown by Adam over 5 steps) covers inductor's reordering unchanged, which
+  is one more reordering of the same sums.
+
+Cost: the layers of one shape share a graph, and one module-scoped TORCHINDUCTOR_CACHE_DIR lets the runs whose
+layers have the same shapes (single, PP2, DP2, ZeRO-3, the resume) load the compiled code instead of
+compiling it again; one compile thread (no worker pool to start).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from harness import BASE_FLAGS, FP32_RTOL, assert_close, reference, run_layout, with_flag
+
+from tricorn.config import config_from_args
+from tricorn.planning.activations import layout_layer_bytes
+from tricorn.planning.layout import Layout
+
+COMPILE = ["--torch-compile"]
+FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
+SELECTIVE = "--recompute-granularity selective --recompute-modules core_attn mlp".split()
+MOE = with_flag(BASE_FLAGS, "--micro-batch-size", "1") + "--num-experts 4 --disable-bias-linear --swiglu".split()
+
+LAYOUTS = {  # name: (ranks, flags added to BASE_FLAGS)
+    "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2-full-recompute": (2, ["--pipeline-model-parallel-size", "2"] + FULL),
+    "dp2-distopt-selective-recompute": (
+        2,
+        ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"] + SELECTIVE,
+    ),
+    "dp2-zero3": (2, ["--use-distributed-optimizer", "--zero-stage", "3"]),
+    "cp2": (2, ["--context-parallel-size", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def compile_env(tmp_path_factory) -> dict[str, str]:
+    """One inductor cache for the whole module (runs with equal layer shapes reuse the compiled code)."""
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor-cache")),
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+    }
+
+
+def _compiled_once(run) -> None:
+    """The trainer logs the compile once, after iteration 1, and warns if a later training iteration compiled."""
+    lines = [line for line in run.stdout.splitlines() if line.startswith("compiled ") and " regions in " in line]
+    assert len(lines) == 1, run.stdout[-2000:]
+    assert "graphs" in lines[0] and "more graph(s) in iteration" not in run.stderr, run.stderr[-2000:]
+
+
+def _assert_equal_to_eager(flags: list[str], nproc: int, workdir: Path, env: dict, ref_flags: list[str]):
+    ref = reference(ref_flags, workdir / "ref")
+    run = run_layout(flags + COMPILE, nproc, workdir / "run", env=env)
+    assert_close(run.losses, ref.losses, FP32_RTOL, "lm loss")
+    assert_close(run.grad_norms, ref.grad_norms, FP32_RTOL, "grad norm")
+    _compiled_once(run)
+    return run
+
+
+def test_single_process_equals_eager_saves_the_estimate_and_resumes_bitwise(tmp_path, compile_env):
+    """One process: compiled == eager; the probe's bytes per layer == the compile-mode estimate; resume is bitwise."""
+    ckpt = tmp_path / "ckpt"
+    flags = BASE_FLAGS + ["--save", str(ckpt), "--save-interval", "3"]
+    run = _assert_equal_to_eager(flags, 1, tmp_path, compile_env, BASE_FLAGS)
+    assert "regions in" in run.stdout and "compiled 2 regions" in run.stdout
+
+    # Saved bytes: iteration 1's probe (memory_report.json) against planning/activations.py in compile mode.
+    # The chunk's first layer also keeps the int64 position ids (8 s bytes) the compiled backward gathers RoPE by.
+    entry = json.loads((ckpt / "memory_report.json").read_text())[0]
+    cfg = config_from_args(BASE_FLAGS + COMPILE, world_size=1)
+    layout = Layout.from_config(cfg)
+    assert layout.compiled
+    per_layer = layout_layer_bytes(cfg.model, layout) + 8 * cfg.model.seq_length / cfg.model.num_layers
+    assert entry["activation_bytes_per_layer"] == per_layer
+    # ... which is eager's count less the cos / sin rows (2 e s d).
+    eager = layout_layer_bytes(cfg.model, Layout.from_config(config_from_args(BASE_FLAGS, world_size=1)))
+    assert eager - layout_layer_bytes(cfg.model, layout) == 2 * 4 * cfg.model.seq_length * cfg.model.head_dim
+
+    resumed = run_layout(
+        BASE_FLAGS + COMPILE + ["--load", str(ckpt), "--ckpt-step", "3"], 1, tmp_path / "resumed", env=compile_env
+    )
+    assert resumed.losses == run.losses[3:], "a compiled resume must repeat iterations 4 and 5 bit for bit"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_compiled_layout_equals_eager(name, tmp_path, compile_env):
+    nproc, extra = LAYOUTS[name]
+    _assert_equal_to_eager(BASE_FLAGS + extra, nproc, tmp_path, compile_env, BASE_FLAGS)
+
+
+def test_moe_ep2_compiles_the_dense_parts(tmp_path, compile_env):
+    _assert_equal_to_eager(MOE + ["--expert-model-parallel-size", "2"], 2, tmp_path, compile_env, MOE)
+
+
+def test_refusals_are_one_line(tmp_path):
+    for extra, words in [
+        (["--recompute-granularity", "selective", "--recompute-modules", "norm"], "--recompute-modules norm"),
+        (["--hidden-dropout", "0.1"], "--hidden-dropout 0"),
+    ]:
+        run = run_layout(BASE_FLAGS + COMPILE + extra, 1, tmp_path, check=False)
+        errors = [line for line in run.stderr.splitlines() if line.startswith("tricorn: error:")]
+        assert run.returncode == 2 and len(errors) == 1 and words in errors[0], run.stderr[-2000:]
+
+
+def test_float64_compiled_layers_equal_eager(compile_env, monkeypatch):
+    """The compiled layers compute eager's function: float64 loss and gradients within 1e-10 (module docstring)."""
+    from tricorn.config import ModelConfig
+    from tricorn.model.transformer import GPTModel
+    from tricorn.parallel.compile import apply_compile
+
+    for key, value in compile_env.items():
+        monkeypatch.setenv(key, value)
+    cfg = ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
+        swiglu=True, seq_length=16, vocab_size=64,
+    )  # fmt: skip
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for compiled in (False, True):
+        model = GPTModel(cfg, padded_vocab_size=64)
+        model.init_weights(1)
+        model.double()
+        apply_compile([model], compiled)
+        loss = model(tokens, tokens).mean()
+        loss.backward()
+        results.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for eager, compiled in zip(*results):
+        assert torch.linalg.norm(compiled - eager) <= 1e-10 * torch.linalg.norm(eager)
