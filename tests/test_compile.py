@@ -142,3 +142,37 @@ def test_float64_compiled_layers_equal_eager(compile_env, monkeypatch):
         results.append([loss.detach()] + [p.grad for p in model.parameters()])
     for eager, compiled in zip(*results):
         assert torch.linalg.norm(compiled - eager) <= 1e-10 * torch.linalg.norm(eager)
+
+
+# ---------------------------------------------------------------- fused norms (eager, CUDA)
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: which branch lean.norm takes, checked without a GPU."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("center", [False, True], ids=["rmsnorm", "layernorm"])
+def test_cuda_eager_norms_run_torchs_fused_kernels_with_the_same_math(center, monkeypatch):
+    """On CUDA lean.norm calls F.rms_norm / F.layer_norm (one fused kernel each way); they compute _Norm's function
+    (float64: within 1e-12, a reordered row sum) with the arguments in the right places."""
+    import torch.nn.functional as F
+
+    from tricorn.model import lean
+
+    calls = []
+    fused = {"rms_norm": F.rms_norm, "layer_norm": F.layer_norm}
+    for name, fn in fused.items():
+        monkeypatch.setattr(F, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 2, 16, dtype=torch.float64, generator=g)
+    w, b = torch.randn(16, dtype=torch.float64, generator=g), torch.randn(16, dtype=torch.float64, generator=g)
+    bias = b if center else None
+    ours = lean.norm(x, w, bias, 1e-5, center)
+    assert calls == []  # the CPU runs the hand-written norm
+    theirs = lean.norm(x.as_subclass(_OnCuda), w, bias, 1e-5, center)
+    assert set(calls) == {"layer_norm" if center else "rms_norm"}  # (the subclass's torch_function calls it again)
+    assert torch.linalg.norm(theirs.as_subclass(torch.Tensor) - ours) <= 1e-12 * torch.linalg.norm(ours)
