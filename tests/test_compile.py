@@ -37,6 +37,7 @@ SELECTIVE = "--recompute-granularity selective --recompute-modules core_attn mlp
 MOE = with_flag(BASE_FLAGS, "--micro-batch-size", "1") + "--num-experts 4 --disable-bias-linear --swiglu".split()
 
 LAYOUTS = {  # name: (ranks, flags added to BASE_FLAGS)
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2-full-recompute": (2, ["--pipeline-model-parallel-size", "2"] + FULL),
     "dp2-distopt-selective-recompute": (
@@ -64,12 +65,28 @@ def _compiled_once(run) -> None:
     assert "graphs" in lines[0] and "more graph(s) in iteration" not in run.stderr, run.stderr[-2000:]
 
 
+def expected_bytes_per_layer(flags: list[str], nproc: int) -> float:
+    """The compile-mode estimate of one layer (planning/activations.py), as the probe averages it over a chunk:
+    the chunk's first layer also keeps the int64 position ids (8 s bytes, s after CP) RoPE is gathered by."""
+    cfg = config_from_args(flags, world_size=nproc)
+    layout = Layout.from_config(cfg)
+    assert layout.compiled
+    layers = cfg.model.num_layers // layout.pp
+    return layout_layer_bytes(cfg.model, layout) + 8 * (cfg.model.seq_length // layout.cp) / layers
+
+
 def _assert_equal_to_eager(flags: list[str], nproc: int, workdir: Path, env: dict, ref_flags: list[str]):
+    """Compiled == the eager single-process run, compiled once; iteration 1's probe (memory_report.json) on every
+    rank == the compile-mode estimate."""
     ref = reference(ref_flags, workdir / "ref")
-    run = run_layout(flags + COMPILE, nproc, workdir / "run", env=env)
+    report = workdir / "tb"
+    run = run_layout(flags + COMPILE + ["--tensorboard-dir", str(report)], nproc, workdir / "run", env=env)
     assert_close(run.losses, ref.losses, FP32_RTOL, "lm loss")
     assert_close(run.grad_norms, ref.grad_norms, FP32_RTOL, "grad norm")
     _compiled_once(run)
+    expected = expected_bytes_per_layer(flags + COMPILE, nproc)
+    measured = [e["activation_bytes_per_layer"] for e in json.loads((report / "memory_report.json").read_text())]
+    assert measured == [expected] * nproc, f"saved bytes per layer by rank {measured}, estimate {expected}"
     return run
 
 
@@ -80,17 +97,10 @@ def test_single_process_equals_eager_saves_the_estimate_and_resumes_bitwise(tmp_
     run = _assert_equal_to_eager(flags, 1, tmp_path, compile_env, BASE_FLAGS)
     assert "regions in" in run.stdout and "compiled 2 regions" in run.stdout
 
-    # Saved bytes: iteration 1's probe (memory_report.json) against planning/activations.py in compile mode.
-    # The chunk's first layer also keeps the int64 position ids (8 s bytes) the compiled backward gathers RoPE by.
-    entry = json.loads((ckpt / "memory_report.json").read_text())[0]
+    # The compile-mode estimate the probe met (above) is eager's count less the cos / sin rows (2 e s d).
     cfg = config_from_args(BASE_FLAGS + COMPILE, world_size=1)
-    layout = Layout.from_config(cfg)
-    assert layout.compiled
-    per_layer = layout_layer_bytes(cfg.model, layout) + 8 * cfg.model.seq_length / cfg.model.num_layers
-    assert entry["activation_bytes_per_layer"] == per_layer
-    # ... which is eager's count less the cos / sin rows (2 e s d).
     eager = layout_layer_bytes(cfg.model, Layout.from_config(config_from_args(BASE_FLAGS, world_size=1)))
-    assert eager - layout_layer_bytes(cfg.model, layout) == 2 * 4 * cfg.model.seq_length * cfg.model.head_dim
+    assert eager - layout_layer_bytes(cfg.model, Layout.from_config(cfg)) == 2 * 4 * cfg.model.seq_length * cfg.model.head_dim
 
     resumed = run_layout(
         BASE_FLAGS + COMPILE + ["--load", str(ckpt), "--ckpt-step", "3"], 1, tmp_path / "resumed", env=compile_env

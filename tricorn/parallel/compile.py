@@ -9,23 +9,16 @@ the activation probe, recompute's groups) stay as in eager mode and run eagerly 
 All layers share one code object, and the parameters are graph inputs, so every layer of one shape runs the
 graph the first layer compiled: a chunk compiles once, not once per layer.
 
-Graph breaks. tricorn's TP / SP / CP collectives are autograd Functions that call c10d directly (and, on
-gloo, run the reduce-scatter as an all_to_all plus a local sum); dynamo does not trace those, so each one sits
-at a graph break and runs eagerly, with its exact eager numerics, overlap and in-place discipline:
-
-    TP without SP   row-parallel output all-reduce (attention out, MLP w2): 2 per layer; the column fan-in
-                    (an identity forward whose backward all-reduces) traces? no - it breaks too: 2 more
-    TP with SP      the column linears' all-gather (QKV, w1) and the row linears' reduce-scatter: 4 per layer
-    CP              the k and v all-gathers of the attention core: 2 per layer
-    MoE             the routed MLP runs eagerly (``torch.compiler.disable``): routing has data-dependent
-                    shapes and, under EP, all_to_alls whose splits come from the host; the attention, the
-                    norms and the residuals are compiled
-    single process  none: one graph per layer
-
-(docs/compile.md lists the measured counts.) The functional collectives of
-``torch.distributed._functional_collectives`` would trace, but they allocate a fresh output per call
-and have no autograd of their own: they would undo the in-place all-reduces and the shard-saving linears
-whose saved bytes planning/activations.py counts.
+Collectives. Dynamo rewrites the c10d calls inside tricorn's TP / SP / CP autograd Functions
+(``dist.all_reduce``, ``all_gather_single``, gloo's ``all_to_all_single`` reduce-scatter) into functional
+collectives, forward and backward, so they trace into the layer's graphs: no graph break at TP, TP + SP or
+CP (measured: one graph per layer). Two Functions take a traced form under ``torch.compiler.is_compiling()``
+(tricorn/parallel/tensor.py): the row-parallel all-reduce returns a clone instead of marking its input dirty
+(dynamo traces no mark_dirty of an input it does not return), and the SP linear's backward issues its
+all-gather and reduce-scatter synchronously (dynamo traces no async work objects; the compiled graph orders
+functional collectives itself). Eager mode is unchanged. The MoE routed MLP runs eagerly
+(``torch.compiler.disable``): routing has data-dependent shapes and, under EP, all_to_alls whose splits come
+from the host; it is the one graph break of an MoE layer, whose attention and norms are compiled.
 
 Recompute. Full: torch.utils.checkpoint (eager) around the compiled layer. Selective core_attn / mlp:
 the checkpoint is traced inside the graph (dynamo's activation-checkpoint region), so the partitioner
