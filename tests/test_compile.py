@@ -128,6 +128,7 @@ def test_refusals_are_one_line(tmp_path):
         assert run.returncode == 2 and len(errors) == 1 and words in errors[0], run.stderr[-2000:]
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own import
 def test_float64_compiled_layers_equal_eager(compile_env, monkeypatch):
     """The compiled layers compute eager's function: float64 loss and gradients within 1e-10 (module docstring)."""
     from tricorn.config import ModelConfig
