@@ -32,11 +32,13 @@ from tricorn.planning.activations import layout_layer_bytes
 from tricorn.planning.layout import Layout
 
 COMPILE = ["--torch-compile"]
+# The Llama block (SwiGLU, GQA, RMSNorm, RoPE) on the harness's shapes.
+FLAGS = BASE_FLAGS + ["--swiglu", "--group-query-attention", "--num-query-groups", "2"]
 FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
 SELECTIVE = "--recompute-granularity selective --recompute-modules core_attn mlp".split()
 MOE = with_flag(BASE_FLAGS, "--micro-batch-size", "1") + "--num-experts 4 --disable-bias-linear --swiglu".split()
 
-LAYOUTS = {  # name: (ranks, flags added to BASE_FLAGS)
+LAYOUTS = {  # name: (ranks, flags added to FLAGS)
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2-full-recompute": (2, ["--pipeline-model-parallel-size", "2"] + FULL),
@@ -93,25 +95,23 @@ def _assert_equal_to_eager(flags: list[str], nproc: int, workdir: Path, env: dic
 def test_single_process_equals_eager_saves_the_estimate_and_resumes_bitwise(tmp_path, compile_env):
     """One process: compiled == eager; the probe's bytes per layer == the compile-mode estimate; resume is bitwise."""
     ckpt = tmp_path / "ckpt"
-    flags = BASE_FLAGS + ["--save", str(ckpt), "--save-interval", "3"]
-    run = _assert_equal_to_eager(flags, 1, tmp_path, compile_env, BASE_FLAGS)
+    flags = FLAGS + ["--save", str(ckpt), "--save-interval", "3"]
+    run = _assert_equal_to_eager(flags, 1, tmp_path, compile_env, FLAGS)
     assert "regions in" in run.stdout and "compiled 2 regions" in run.stdout
 
     # The compile-mode estimate the probe met (above) is eager's count less the cos / sin rows (2 e s d).
-    cfg = config_from_args(BASE_FLAGS + COMPILE, world_size=1)
-    eager = layout_layer_bytes(cfg.model, Layout.from_config(config_from_args(BASE_FLAGS, world_size=1)))
+    cfg = config_from_args(FLAGS + COMPILE, world_size=1)
+    eager = layout_layer_bytes(cfg.model, Layout.from_config(config_from_args(FLAGS, world_size=1)))
     assert eager - layout_layer_bytes(cfg.model, Layout.from_config(cfg)) == 2 * 4 * cfg.model.seq_length * cfg.model.head_dim
 
-    resumed = run_layout(
-        BASE_FLAGS + COMPILE + ["--load", str(ckpt), "--ckpt-step", "3"], 1, tmp_path / "resumed", env=compile_env
-    )
+    resumed = run_layout(FLAGS + COMPILE + ["--load", str(ckpt), "--ckpt-step", "3"], 1, tmp_path / "resumed", env=compile_env)
     assert resumed.losses == run.losses[3:], "a compiled resume must repeat iterations 4 and 5 bit for bit"
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_compiled_layout_equals_eager(name, tmp_path, compile_env):
     nproc, extra = LAYOUTS[name]
-    _assert_equal_to_eager(BASE_FLAGS + extra, nproc, tmp_path, compile_env, BASE_FLAGS)
+    _assert_equal_to_eager(FLAGS + extra, nproc, tmp_path, compile_env, FLAGS)
 
 
 def test_moe_ep2_compiles_the_dense_parts(tmp_path, compile_env):

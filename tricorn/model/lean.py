@@ -142,6 +142,11 @@ class _SwiGLU(torch.autograd.Function):
         (h,) = ctx.saved_tensors
         gate, up = h[..., 0::2], h[..., 1::2]
         sig = torch.sigmoid(gate)
+        if torch.compiler.is_compiling():
+            # Traced (--torch-compile): dynamo cannot trace out= into strided views, and inductor fuses this
+            # out-of-place form into one kernel that writes the interleaved gradient directly.
+            d_gate = grad * up * sig * (1 + gate * (1 - sig))
+            return torch.stack([d_gate, grad * gate * sig], dim=-1).flatten(-2)
         out = torch.empty_like(h)
         d_gate, d_up = out[..., 0::2], out[..., 1::2]
         # grad * up * sig * (1 + gate * (1 - sig)) and grad * gate * sig, in that order, computed in place in the

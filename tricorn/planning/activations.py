@@ -70,7 +70,10 @@ With --torch-compile (``compiled``) the layer is what inductor's partitioner kee
 (tests/test_compile.py): every row above except rope_tables - the compiled backward gathers the cos / sin rows
 again from the fp32 tables (a buffer) by the int64 position ids, which the chunk's first compiled layer keeps
 (8s bytes per chunk, as under full recompute). Everything else is saved as in eager mode: the partitioner
-keeps the autograd Functions' own saved tensors (lean.py) and the GEMMs' inputs, and recomputes nothing else.
+keeps the autograd Functions' own saved tensors (lean.py) and the GEMMs' inputs, and recomputes nothing else -
+except under SP: traced, the column-parallel linear's all-gather in backward is the same functional collective
+as its forward's, so the graph keeps the all-gathered input (e*sbh per linear, not its /t shard) instead of
+gathering again (``sp_gathered_inputs``; one all-gather less per linear in backward).
 
 Microbatches in flight on pipeline stage r of p with M microbatches: 1F1B min(p - r, M); interleaved with v
 chunks min(2(p - r - 1) + (v - 1)p + 1, Mv) chunk-forwards of L/(pv) layers - on the first stage
@@ -90,7 +93,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from tricorn.config import ModelConfig
@@ -206,6 +209,8 @@ def layer_activation_terms(
     term (the module docstring's table); ``seq`` is the rank's sequence length, after CP over ``cp`` ranks."""
     s, b, h, e = seq, micro_batch, model.hidden_size, activation_element_bytes(precision)
     a, d, gd = model.num_attention_heads, model.head_dim, model.kv_heads * model.head_dim
+    if compiled:  # the traced SP linear's backward all-gather is its forward's, merged: the gathered input is kept
+        profile = replace(profile, sp_gathered_inputs=True)
     sbh = s * b * h
     sp_div = tp if sequence_parallel else 1
     if recompute == "full":
