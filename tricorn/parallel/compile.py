@@ -26,9 +26,11 @@ recomputes exactly that region in backward. Selective norm / mlp_act free a tens
 between two modules (recompute.py), which no compiled graph can honour: refused.
 
 Saved bytes. Inductor's partitioner decides what the compiled layer keeps for backward. Measured (probe,
-tests/test_compile.py): everything eager keeps, except the cos / sin rows RoPE's backward reads - the
+tests/test_compile.py): everything eager keeps, except (1) the cos / sin rows RoPE's backward reads - the
 compiled backward gathers them again from the position ids (int64, s per chunk, kept once by the chunk's
-first layer) and the fp32 tables (a buffer). planning/activations.py counts that (``compiled``).
+first layer) and the fp32 tables (a buffer) - and (2) under SP the column-parallel linears keep their
+all-gathered input rather than its shard: traced, the backward's all-gather is the forward's, merged.
+planning/activations.py counts both (``compiled``).
 
 Compile once. Shapes are static (``dynamic=False``); the only new graphs after the first iteration come from
 a mode the first iteration did not run (evaluation, under no_grad). ``CompileStats`` counts the graphs and
@@ -36,7 +38,8 @@ the seconds spent compiling (dynamo's and the lazily compiled backward's); the t
 "compiled N regions in S s" once, after iteration 1, and warns if a training iteration compiled again.
 The inductor cache lives in TORCHINDUCTOR_CACHE_DIR (node-local in the sbatch scripts).
 
-No collectives of its own; memory effect: the compiled layer saves 2esd fewer bytes (the RoPE rows).
+No collectives of its own; memory effect: the compiled layer keeps 2esd fewer bytes (the RoPE rows) and,
+under SP, e*sbh(1 - 1/t) more per column-parallel linear (QKV, w1).
 """
 
 from __future__ import annotations

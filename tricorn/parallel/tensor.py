@@ -20,7 +20,8 @@ column-parallel linear (and the head) saves its input's sequence SHARD for
 backward, not the all-gathered sequence, and all-gathers it again in backward
 (asynchronously, overlapped with the input-gradient matmul, whose
 reduce-scatter in turn overlaps the weight-gradient matmul), as Megatron does:
-one more all-gather per linear in backward for 1/TP of its saved input. Parameters
+one more all-gather per linear in backward for 1/TP of its saved input (eager mode; under --torch-compile
+the collectives trace as functional ones and the graph keeps the gathered input: tricorn/parallel/compile.py). Parameters
 that are replicated over TP but see only a sequence shard (norm weights, row
 biases) get partial gradients; they carry `sequence_parallel = True` and the
 trainer all-reduces their gradients over TP (grads.py).
