@@ -103,18 +103,25 @@ def _assert_equal_to_eager(
     return run
 
 
-def test_single_process_equals_eager_saves_the_estimate_and_resumes_bitwise(tmp_path, compile_env):
-    """One process: compiled == eager; the probe's bytes per layer == the compile-mode estimate; resume is bitwise."""
-    ckpt = tmp_path / "ckpt"
-    flags = FLAGS + ["--save", str(ckpt), "--save-interval", "3"]
-    run = _assert_equal_to_eager(flags, 1, tmp_path, compile_env, FLAGS)
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, compile_env) -> tuple[RunResult, Path]:
+    """The compiled one-process run (checked against eager), saving at iteration 3; its checkpoint directory."""
+    work = tmp_path_factory.mktemp("single")
+    flags = FLAGS + ["--save", str(work / "ckpt"), "--save-interval", "3"]
+    return _assert_equal_to_eager(flags, 1, work, compile_env, FLAGS), work / "ckpt"
 
-    # The compile-mode estimate the probe met (above) is eager's count less the cos / sin rows (2 e s d).
+
+def test_single_process_equals_eager_and_saves_the_estimate(single_run):
+    """One process: compiled == eager and the probe's bytes per layer == the compile-mode estimate (in the
+    fixture), which is eager's count less the cos / sin rows (2 e s d)."""
     cfg = config_from_args(FLAGS + COMPILE, world_size=1)
     eager = layout_layer_bytes(cfg.model, Layout.from_config(config_from_args(FLAGS, world_size=1)))
     assert eager - layout_layer_bytes(cfg.model, Layout.from_config(cfg)) == 2 * 4 * cfg.model.seq_length * cfg.model.head_dim
 
-    resumed = run_layout(FLAGS + COMPILE + ["--load", str(ckpt), "--ckpt-step", "3"], 1, tmp_path / "resumed", env=compile_env)
+
+def test_compiled_resume_is_bitwise(single_run, tmp_path, compile_env):
+    run, ckpt = single_run
+    resumed = run_layout(FLAGS + COMPILE + ["--load", str(ckpt), "--ckpt-step", "3"], 1, tmp_path, env=compile_env)
     assert resumed.losses == run.losses[3:], "a compiled resume must repeat iterations 4 and 5 bit for bit"
 
 
