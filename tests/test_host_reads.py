@@ -3,7 +3,8 @@
 A host read (.item(), float(), bool(), .tolist(), .numpy(), a blocking device-to-host copy) makes the
 CPU wait for the GPU. tests/workers/host_reads.py counts them per iteration with
 tricorn.host_reads.HostReadCounter inside Trainer.train(): 0 in iterations without a log line, at
-most 3 in those with one, on each layout (TP, PP, DP with the distributed optimizer, ZeRO-3, fp16).
+most 3 in those with one, on each layout (TP, PP, DP with the distributed optimizer, ZeRO-3, fp16, and
+one process with --torch-compile).
 """
 
 from pathlib import Path
@@ -45,8 +46,9 @@ def test_counter_ignores_host_scalars():
         (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
         (2, ["--use-distributed-optimizer", "--zero-stage", "3"]),
         (2, ["--fp16", "--initial-loss-scale", "1024"]),
+        (1, ["--torch-compile"]),
     ],
-    ids=["single", "tp2-sp", "pp2", "dp2-zero1-overlap", "dp2-zero3", "dp2-fp16"],
+    ids=["single", "tp2-sp", "pp2", "dp2-zero1-overlap", "dp2-zero3", "dp2-fp16", "single-compiled"],
 )
 def test_no_host_reads_outside_logging_iterations(nproc, flags):
     assert run_script(WORKER, nproc, flags, timeout=300).strip().endswith("ok")

@@ -155,6 +155,8 @@ def test_sbatch_conventions(name: str) -> None:
         "DATA_CACHE_DIR=${DATA_CACHE_DIR:-$RUN_DIR/data_cache}",
         "NCCL_IB_HCA",
         'scontrol requeue "$SLURM_JOB_ID"',
+        # --torch-compile's kernels on node-local storage (docs/compile.md), kept across requeues of the job
+        "export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/tricorn-inductor-${USER:-tricorn}/$SLURM_JOB_NAME}",
     ):
         assert line in text, line
     assert "TB_DIR=$RUN_DIR/tensorboard/$SLURM_JOB_ID" in text

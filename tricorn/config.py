@@ -92,6 +92,9 @@ class ModelConfig:
         ["core_attn"], "Modules recomputed by selective recompute.", nargs="+", choices=["core_attn", "mlp", "norm", "mlp_act"]
     )
     transformer_impl: str = _f("local", "Layer implementation.", choices=["local", "transformer_engine"])
+    torch_compile: bool = _f(
+        False, "Compile each transformer layer's forward with torch.compile (regional, inductor; docs/compile.md)."
+    )
     # Mixture of experts (README "Mixture of experts"); dense MLPs without --num-experts.
     num_experts: Optional[int] = _f(None, "Experts per MoE layer (turns the MLP into a mixture of experts).", bound=AT_LEAST_1)
     moe_router_topk: int = _f(2, "Experts each token is routed to.", bound=AT_LEAST_1)

@@ -15,6 +15,7 @@ from typing import Optional
 
 from tricorn.config import Config, field_errors
 from tricorn.parallel.batch_schedule import validate_rampup
+from tricorn.parallel.compile import validate_compile
 from tricorn.parallel.pipeline.stages import validate_pipeline
 from tricorn.parallel.recompute import validate_recompute
 from tricorn.parallel.te import TransformerEngineUnavailable, import_te
@@ -103,7 +104,9 @@ def validate(cfg: Config) -> list[str]:
             "FP8 and differ from the forward it replays; drop one of them"
         )
     if not errs:  # each feature validates its own flags once the basic shape is sound
-        errs += validate_pipeline(cfg) + validate_rampup(cfg) + validate_recompute(cfg) + validate_moe(cfg)
+        errs += (
+            validate_pipeline(cfg) + validate_rampup(cfg) + validate_recompute(cfg) + validate_moe(cfg) + validate_compile(cfg)
+        )
     return errs
 
 

@@ -10,7 +10,8 @@ in fp32 a full fp32 copy of the logits. These functions do the same math and sav
     cross_entropy   the logits in their own dtype + fp32 log-sum-exp per token; the fp32 softmax is computed
                     in chunks of CE_CHUNK_ELEMENTS logits in forward and again in backward, never whole
 
-The statistics and all reductions are in fp32, as before. Optional `reduce_max` / `reduce_sum` callables
+The statistics and all reductions are in fp32, as before. On CUDA in eager mode `norm` runs torch's fused
+F.rms_norm / F.layer_norm instead, which keep the same tensors (see `norm`). Optional `reduce_max` / `reduce_sum` callables
 let tricorn.parallel make the cross entropy vocab-parallel without this package calling a collective.
 No collectives here; memory effect: see the table above (planning/activations.py counts it).
 """
@@ -65,7 +66,20 @@ class _Norm(torch.autograd.Function):
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, center: bool) -> torch.Tensor:
-    """RMSNorm (center=False) or LayerNorm (center=True, with bias) in fp32, saving x in its own dtype."""
+    """RMSNorm (center=False) or LayerNorm (center=True, with bias) in fp32, saving x in its own dtype.
+
+    Eager on CUDA: torch's fused kernels (one kernel forward, one backward). They keep exactly what _Norm keeps:
+    F.layer_norm (native_layer_norm) the input and fp32 mean and rstd, F.rms_norm (_fused_rms_norm) the input and
+    fp32 rstd, both accumulating in fp32 and upcasting a 16-bit input, so planning/activations.py is the same.
+    Elsewhere _Norm: on the CPU F.rms_norm is a composite of ~8 aten ops that also keeps its fp32 intermediates
+    (the upcast input and the normalised one: > 2 e*sbh more per norm) and the CPU's native_layer_norm keeps a
+    16-bit input's mean and rstd in 16 bits (CUDA's in fp32), so the CPU keeps one hand-written
+    implementation for both norms, the one the CPU tests measure; under torch.compile inductor fuses _Norm's
+    math (forward and backward, one kernel each) and the compiled layer keeps _Norm's saved tensors.
+    """
+    if x.is_cuda and not torch.compiler.is_compiling():
+        shape = (x.shape[-1],)
+        return F.layer_norm(x, shape, weight, bias, eps) if center else F.rms_norm(x, shape, weight, eps)
     return _Norm.apply(x, weight, bias, eps, center)
 
 
@@ -128,6 +142,11 @@ class _SwiGLU(torch.autograd.Function):
         (h,) = ctx.saved_tensors
         gate, up = h[..., 0::2], h[..., 1::2]
         sig = torch.sigmoid(gate)
+        if torch.compiler.is_compiling():
+            # Traced (--torch-compile): dynamo cannot trace out= into strided views, and inductor fuses this
+            # out-of-place form into one kernel that writes the interleaved gradient directly.
+            d_gate = grad * up * sig * (1 + gate * (1 - sig))
+            return torch.stack([d_gate, grad * gate * sig], dim=-1).flatten(-2)
         out = torch.empty_like(h)
         d_gate, d_up = out[..., 0::2], out[..., 1::2]
         # grad * up * sig * (1 + gate * (1 - sig)) and grad * gate * sig, in that order, computed in place in the

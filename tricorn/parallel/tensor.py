@@ -20,7 +20,8 @@ column-parallel linear (and the head) saves its input's sequence SHARD for
 backward, not the all-gathered sequence, and all-gathers it again in backward
 (asynchronously, overlapped with the input-gradient matmul, whose
 reduce-scatter in turn overlaps the weight-gradient matmul), as Megatron does:
-one more all-gather per linear in backward for 1/TP of its saved input. Parameters
+one more all-gather per linear in backward for 1/TP of its saved input (eager mode; under --torch-compile
+the collectives trace as functional ones and the graph keeps the gathered input: tricorn/parallel/compile.py). Parameters
 that are replicated over TP but see only a sequence shard (norm weights, row
 biases) get partial gradients; they carry `sequence_parallel = True` and the
 trainer all-reduces their gradients over TP (grads.py).
@@ -151,17 +152,22 @@ class _GatherLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         group, world = ctx.group, dist.get_world_size(ctx.group)
+        # Traced by torch.compile (--torch-compile), the collectives become functional ones that the compiled
+        # graph orders itself; dynamo traces no async work objects, so they are issued synchronously there.
+        overlap = not torch.compiler.is_compiling()
         shard = x.contiguous()
         gathered = shard.new_empty((world * shard.shape[0],) + shard.shape[1:])
-        gather = dist.all_gather_single(gathered, shard, group=group, async_op=True)
+        gather = dist.all_gather_single(gathered, shard, group=group, async_op=overlap)
         grad_input = grad.matmul(weight)  # [s, b, in], contiguous; overlaps the all-gather
         grad_shard = grad_input.new_empty((grad_input.shape[0] // world,) + grad_input.shape[1:])
-        gather.wait()
-        scatter = reduce_scatter_single(grad_shard, grad_input, group, async_op=True)
+        if overlap:
+            gather.wait()
+        scatter = reduce_scatter_single(grad_shard, grad_input, group, async_op=overlap)
         grad2d = grad.reshape(-1, grad.shape[-1])
         grad_weight = grad2d.t().matmul(gathered.view(-1, gathered.shape[-1]))  # overlaps the reduce-scatter
         grad_bias = grad2d.sum(0) if ctx.has_bias else None
-        scatter.wait()
+        if overlap:
+            scatter.wait()
         return grad_shard, grad_weight, grad_bias, None
 
 
@@ -187,6 +193,8 @@ class _ReduceFromTP(torch.autograd.Function):
         # mask. mark_dirty: the output is x itself, modified in place (autograd moves x's history here).
         if not x.is_contiguous():
             return _all_reduce(x, group)  # the collective needs contiguous memory: a copy is reduced
+        if torch.compiler.is_compiling():  # traced (--torch-compile), the all-reduce is functional: no alias
+            return _all_reduce(x, group).clone()  # a graph output, which inductor writes in place itself
         ctx.mark_dirty(x)
         return _all_reduce(x, group)
 

@@ -66,6 +66,18 @@ the int64 position ids (8s bytes) the chunk's first checkpoint keeps. Attention 
 (the explicit attention is ours, not a torch kernel). The GPU rows assume flash / memory-efficient SDPA; they
 were not measured on a GPU.
 
+With --torch-compile (``compiled``) the layer is what inductor's partitioner keeps, measured by the same probe
+(tests/test_compile.py): every row above except rope_tables - the compiled backward gathers the cos / sin rows
+again from the fp32 tables (a buffer) by the int64 position ids, which the chunk's first compiled layer keeps
+(8s bytes per chunk, as under full recompute). Everything else is saved as in eager mode: the partitioner
+keeps the autograd Functions' own saved tensors (lean.py) and the GEMMs' inputs, and recomputes nothing else -
+except under SP: traced, the column-parallel linear's all-gather in backward is the same functional collective
+as its forward's, so the graph keeps the all-gathered input (e*sbh per linear, not its /t shard) instead of
+gathering again (``sp_gathered_inputs``; one all-gather less per linear in backward). With selective ``mlp``
+recompute the checkpointed MLP's input (the norm output) is rebuilt from the norm's saved input and statistics
+instead of kept; and with selective recompute the graph also keeps one small uint8 buffer of inductor's
+(5056 bytes at s 64, b 2, h 64), not counted: the probe is within 3% of the estimate there, exact elsewhere.
+
 Microbatches in flight on pipeline stage r of p with M microbatches: 1F1B min(p - r, M); interleaved with v
 chunks min(2(p - r - 1) + (v - 1)p + 1, Mv) chunk-forwards of L/(pv) layers - on the first stage
 L(1 + (p - 1)/(pv)) layers' worth, Korthikanti's factor; GPipe M; no pipeline 1.
@@ -84,7 +96,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from tricorn.config import ModelConfig
@@ -194,11 +206,14 @@ def layer_activation_terms(
     device: str = "cuda",
     cp: int = 1,
     etp: int = 1,
+    compiled: bool = False,
 ) -> LayerActivationTerms:
     """Bytes one layer keeps for backward for one microbatch of ``micro_batch`` x ``seq`` tokens on one rank, by
     term (the module docstring's table); ``seq`` is the rank's sequence length, after CP over ``cp`` ranks."""
     s, b, h, e = seq, micro_batch, model.hidden_size, activation_element_bytes(precision)
     a, d, gd = model.num_attention_heads, model.head_dim, model.kv_heads * model.head_dim
+    if compiled:  # the traced SP linear's backward all-gather is its forward's, merged: the gathered input is kept
+        profile = replace(profile, sp_gathered_inputs=True)
     sbh = s * b * h
     sp_div = tp if sequence_parallel else 1
     if recompute == "full":
@@ -207,6 +222,8 @@ def layer_activation_terms(
     norm = model.normalization
     qkv = e * s * b * (h + 2 * gd)
     rope_tables = profile.rope_rows * e * s * d if model.position_embedding_type == "rope" else 0.0
+    if compiled:  # inductor's partitioner gathers the rows again in backward from the int64 position ids
+        rope_tables = 0.0  # (8s bytes per chunk, kept by its first layer: see the module docstring)
     copies = profile.attention_output_copies - (1 if "core_attn" in selective else 0)
     if "core_attn" in selective:
         core = 0.0
@@ -224,11 +241,14 @@ def layer_activation_terms(
         core = e * a * s * s * b
         if model.attention_dropout > 0:
             core += (1 + e) * a * s * s * b
+    linear_inputs = _linear_inputs(e * sbh, sp_div, selective, profile)
+    if compiled and "mlp" in selective:  # the partitioner rebuilds the checkpointed MLP's input from the norm's
+        linear_inputs -= e * sbh / sp_div
     return LayerActivationTerms(
         norm_inputs=2 * profile.norm_bytes(e, norm, device) * sbh / sp_div,
         norm_stats=2 * profile.stats_bytes(norm) * s * b / sp_div,
         norm_weights=2 * 4 * h * (2 if norm == "LayerNorm" else 1) if profile.norm_weight_fp32_copy and e != 4 else 0.0,
-        linear_inputs=_linear_inputs(e * sbh, sp_div, selective, profile),
+        linear_inputs=linear_inputs,
         dropout_masks=2 * sbh / sp_div if model.hidden_dropout > 0 else 0.0,  # bool masks
         rope_tables=rope_tables,
         qkv=qkv / tp,
@@ -340,6 +360,7 @@ def layout_layer_bytes(model: ModelConfig, layout: Layout, profile: ActivationPr
         device=layout.device,
         cp=layout.cp,
         etp=layout.etp,
+        compiled=layout.compiled,
     )
     return layer_activation_bytes(model, **(kw | override), profile=profile)
 

@@ -38,6 +38,7 @@ class Layout:
     ddp_bucket_elements: Optional[int] = None  # --ddp-bucket-size; None: the default (config.default_bucket_elements)
     ep: int = 1  # expert parallel: ranks of DP x CP that split the MoE experts
     etp: int = 1  # expert tensor parallel: 1 (routed experts replicated over TP) or TP (split like the dense MLP)
+    compiled: bool = False  # --torch-compile: the compiled layers keep no RoPE rows (planning/activations.py)
 
     @property
     def world_size(self) -> int:
@@ -73,4 +74,5 @@ class Layout:
             ddp_bucket_elements=p.ddp_bucket_size,
             ep=p.expert_model_parallel_size,
             etp=p.expert_tensor_parallel_size,
+            compiled=m.torch_compile,
         )

@@ -147,6 +147,10 @@ LOG_DIR=$RUN_DIR/logs/$SLURM_JOB_ID
 # then every rank (and every requeue) memory-maps the same files instead of each building its own.
 DATA_CACHE_DIR=${{DATA_CACHE_DIR:-$RUN_DIR/data_cache}}
 mkdir -p "$CKPT_DIR" "$TB_DIR" "$LOG_DIR" "$DATA_CACHE_DIR"
+# --torch-compile (docs/compile.md): inductor's compiled code on node-local storage - each task writes its own
+# kernels, many small files that a shared filesystem serves slowly - kept per job name, so a requeue on the same
+# node loads them instead of compiling again. Inductor creates the directory on every node.
+export TORCHINDUCTOR_CACHE_DIR=${{TORCHINDUCTOR_CACHE_DIR:-${{TMPDIR:-/tmp}}/tricorn-inductor-${{USER:-tricorn}}/$SLURM_JOB_NAME}}
 
 if [[ -z ${{DATA_ARGS:-}} ]]; then
     : "${{DATA_PATH:?set DATA_PATH to a preprocessed prefix (tricorn preprocess), or DATA_ARGS}}"

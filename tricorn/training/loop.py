@@ -43,7 +43,7 @@ from tricorn.timers import (
     OPTIMIZER_STEP,
     Timers,
 )
-from tricorn.training.logging import MetricsLogger
+from tricorn.training.logging import MetricsLogger, warn
 from tricorn.training.lr_schedule import learning_rate
 from tricorn.training.memory_report import iteration_peak, write_memory_report
 
@@ -88,6 +88,7 @@ class Trainer:
     step_fences: list = field(default_factory=list)  # CUDA events the next optimizer step waits for (async save staging)
     _nan_first: Optional[torch.Tensor] = None  # [iteration, loss, grad norm] of the first non-finite iteration (device)
     moe: Optional[MoEMonitor] = None  # router statistics and the expert-bias update (parallel/expert.py)
+    _recompile_warned: bool = False  # --torch-compile: a recompilation after iteration 1 was reported
 
     # ------------------------------------------------------------ batches
 
@@ -240,11 +241,16 @@ class Trainer:
         first_of_run = True
         while self.iteration < t.train_iters:
             report = first_of_run and hasattr(self.optimizer, "memory_tensors")
-            with iteration_peak(self.optimizer, self.chunks, self.state.device) if report else nullcontext({}) as peak:
+            # The peak tracker is a TorchDispatchMode, under which dynamo does not trace (and then never compiles
+            # that code): with --torch-compile the report goes without the measured iteration-1 peak.
+            track = report and not self.cfg.model.torch_compile
+            with iteration_peak(self.optimizer, self.chunks, self.state.device) if track else nullcontext({}) as peak:
                 result = self.run_iteration()
             self.unlogged.append(result)
             if report:
                 write_memory_report(self.cfg, self.state, self.optimizer, peak)
+            if self.cfg.model.torch_compile:
+                self._compile_report(first_of_run)
             first_of_run = False
             if self.logs_at(self.iteration):
                 self.log(result)
@@ -255,6 +261,19 @@ class Trainer:
                     stop = self.on_iteration_end(self)
                 if stop:
                     break
+
+    def _compile_report(self, first: bool) -> None:
+        """--torch-compile: "compiled N regions in S s" once, after iteration 1; a warning if training compiles again."""
+        from tricorn.parallel.compile import recompiled_in_training, report_after_first_iteration
+
+        if first:
+            report_after_first_iteration(self.logger.console)
+        elif recompiled_in_training() and not self._recompile_warned:
+            self._recompile_warned = True
+            warn(
+                f"torch.compile compiled {recompiled_in_training()} more graph(s) in iteration {self.iteration}: "
+                "a shape or guard changed after the first iteration (TORCH_LOGS=recompiles says which)"
+            )
 
     def log_validation(self, loss: Optional[float]) -> None:
         if loss is not None:

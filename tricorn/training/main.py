@@ -56,6 +56,7 @@ def _prepare_vocab(cfg: Config) -> list[str]:
 def build(cfg: Config, state):
     """Model chunks, optimizer, loaders and the forward/backward function for this rank."""
     from tricorn.model.init import InitSpec, materialize
+    from tricorn.parallel.compile import apply_compile
     from tricorn.parallel.context import apply_context_parallel
     from tricorn.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
     from tricorn.parallel.optimizer import Optimizer
@@ -77,6 +78,8 @@ def build(cfg: Config, state):
     # hollow parameters that the DP buckets fill (ZeRO-3: only the owned shard). TE/FP8 modules build as before.
     hollow = cfg.model.transformer_impl != "transformer_engine" and not cfg.training.fp8_format
     chunks = build_model_chunks(cfg, spec, state.pp_rank, state.tp_size, state.device, hollow=hollow)
+    # --torch-compile: each layer's forward compiled (before recompute, whose checkpoints wrap the compiled layer)
+    apply_compile(chunks, cfg.model.torch_compile)
     apply_recompute(chunks, cfg.model)  # --recompute-granularity: checkpoint layers / modules in place
     for chunk in chunks:
         cast_params(chunk, cfg)
