@@ -43,6 +43,7 @@ DEFAULT_TESTS = [
     "tests/test_host_reads.py",
     "tests/test_te_backend.py",
     "tests/test_gpu_check.py",
+    "tests/test_cuda_contract.py",
 ]
 CUDA_CONSTANTS = {"cuda", "nccl"}
 CUDA_NAMES = {"cuda", "is_cuda", "on_cuda", "use_cuda"}
