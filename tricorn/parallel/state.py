@@ -227,17 +227,19 @@ def configure_tf32(cfg: Config, device: torch.device) -> bool:
     return cfg.training.tf32
 
 
-def world_timeout() -> timedelta:
-    """The world group's timeout: --distributed-timeout-minutes, which init_parallel gave it."""
+def world_timeout() -> Optional[timedelta]:
+    """The world group's timeout: --distributed-timeout-minutes, which init_parallel gave it (None under the fake
+    backend of `tricorn simulate`, which waits on nothing)."""
     return group_timeout(dist.group.WORLD)
 
 
-def group_timeout(group: dist.ProcessGroup) -> timedelta:
+def group_timeout(group: dist.ProcessGroup) -> Optional[timedelta]:
     """A group's collective timeout, as its backend holds it. torch 2.13 exposes no public getter; both
     ProcessGroupGloo and ProcessGroupNCCL keep it in `.options._timeout` (the field distributed_c10d's
     _new_process_group_helper sets from new_group's timeout), reached through ProcessGroup._get_backend."""
     device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    return group._get_backend(device).options._timeout
+    options = group._get_backend(device).options
+    return None if options is None else options._timeout  # the fake backend (tricorn simulate) has no options
 
 
 def group_options(size: int) -> Optional[C10dBackend.Options]:
@@ -250,7 +252,7 @@ def group_options(size: int) -> Optional[C10dBackend.Options]:
     machine with CUDA); skipping the override in that case keeps one communicator instead of two."""
     timeout = world_timeout()
     backend = dist.get_backend()
-    if size == dist.get_world_size() and not (backend == "gloo" and torch.cuda.is_available()):
+    if timeout is None or (size == dist.get_world_size() and not (backend == "gloo" and torch.cuda.is_available())):
         return None
     if backend == "nccl":
         # new_group asserts NCCL options are ProcessGroupNCCL.Options; normal priority as its own default.
