@@ -11,13 +11,16 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "tricorn"
 
 
-def imported_modules(path: Path) -> set[str]:
+def imported_modules(path: Path, with_members: bool = False) -> set[str]:
+    """Every absolute import of the file; with_members, `from a.b import c` also names a.b.c (c may be a module)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            if with_members:
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -75,13 +78,7 @@ def import_graph(root: Path = PKG) -> dict[str, set[str]]:
     files = {module_name(f, root): f for f in sorted(root.rglob("*.py"))}
     graph: dict[str, set[str]] = {}
     for name, f in files.items():
-        targets: set[str] = set()
-        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
-            if isinstance(node, ast.Import):
-                targets.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets.add(node.module)
-                targets.update(f"{node.module}.{a.name}" for a in node.names)
+        targets = imported_modules(f, with_members=True)
         graph[name] = {t for t in targets if t in files and t != name and not name.startswith(t + ".")}
     return graph
 
