@@ -216,7 +216,14 @@ class TrainingConfig:
     min_loss_scale: float = _f(1.0, "Smallest dynamic loss scale.", bound=POSITIVE)
     loss_scale_window: int = _f(1000, "Iterations without overflow before the scale doubles.", bound=AT_LEAST_1)
     hysteresis: int = _f(2, "Overflows tolerated before the scale halves.", bound=AT_LEAST_1)
-    fp8_format: Optional[str] = _f(None, "FP8 through Transformer Engine (GPU only).", choices=["e4m3", "hybrid"])
+    fp8_format: Optional[str] = _f(
+        None, "FP8 GEMMs: e4m3 everywhere, or hybrid (e4m3 forward, e5m2 gradients).", choices=["e4m3", "hybrid"]
+    )
+    fp8_recipe: Optional[str] = _f(
+        None,
+        "FP8 scaling recipe (default: tensorwise with --transformer-impl local, delayed with transformer_engine).",
+        choices=["delayed", "tensorwise", "rowwise", "mxfp8"],
+    )
     tf32: bool = _f(True, "fp32 runs on CUDA: matmuls and convolutions on TF32 tensor cores.", negate="--no-tf32")
     check_for_nan_in_loss_and_grad: bool = _f(
         True, "Stop when the loss or grad norm is NaN/Inf.", negate="--no-check-for-nan-in-loss-and-grad"

@@ -98,6 +98,8 @@ def validate(cfg: Config) -> list[str]:
         errs.append("--fp8-format needs --bf16 (FP8 GEMMs keep bf16 weights and activations around them)")
     if t.fp8_format and m.transformer_impl != "transformer_engine":
         errs.append("--fp8-format needs --transformer-impl transformer_engine")
+    if t.fp8_recipe and not t.fp8_format:
+        errs.append(f"--fp8-recipe {t.fp8_recipe} needs --fp8-format e4m3|hybrid (it chooses how FP8 GEMMs are scaled)")
     if t.fp8_format and m.recompute_granularity:
         errs.append(
             "--fp8-format with --recompute-granularity is not supported: the recomputed forward would run outside "
