@@ -239,9 +239,13 @@ class GPTModel(nn.Module):
             x = layer(x, self.rotary, position_ids, sample_ids)
         if not self.post_process:
             return x
-        x = self.norm(x)
-        head_weight = self.tok_embeddings.weight if (self.tied and self.pre_process) else None
-        logits = self.output(x, head_weight)
+        logits = self.head(x)
         if labels is None:
             return logits.transpose(0, 1)
         return self.spec.cross_entropy(logits, labels.t(), self.vocab_size).t()
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the output head: logits [s, b, V] (V/t columns under TP). A region of its own, which
+        --torch-compile compiles like a layer; the loss stays outside it (parallel/compile.py says why)."""
+        head_weight = self.tok_embeddings.weight if (self.tied and self.pre_process) else None
+        return self.output(self.norm(x), head_weight)

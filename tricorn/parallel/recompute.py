@@ -132,7 +132,10 @@ def checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any) -> Any:
         if not torch.is_grad_enabled():
             return fn(*args)
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+        # No default-generator state to preserve: tricorn's dropout draws from generators keyed by sample, layer and
+        # site (model/dropout.py), which the replay rebuilds from the same keys, and nothing else in a layer draws.
+        # Preserving it would keep the CPU generator's 5,056-byte state per region (compiled: a saved graph buffer).
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
     return run
 

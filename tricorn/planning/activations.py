@@ -75,8 +75,10 @@ except under SP: traced, the column-parallel linear's all-gather in backward is 
 as its forward's, so the graph keeps the all-gathered input (e*sbh per linear, not its /t shard) instead of
 gathering again (``sp_gathered_inputs``; one all-gather less per linear in backward). With selective ``mlp``
 recompute the checkpointed MLP's input (the norm output) is rebuilt from the norm's saved input and statistics
-instead of kept; and with selective recompute the graph also keeps one small uint8 buffer of inductor's
-(5056 bytes at s 64, b 2, h 64), not counted: the probe is within 3% of the estimate there, exact elsewhere.
+instead of kept; and with selective ``core_attn`` recompute the graph keeps the default generator's state for
+the replayed SDPA (``rng_state``: SDPA is tagged nondeterministic for its dropout_p, so the partitioner saves
+the state it restores) - 5,056 uint8 bytes on CPU (torch.get_rng_state()), 16 on CUDA (seed and offset).
+The probe equals the compile-mode estimate to the byte at every layout tests/test_compile.py runs.
 
 Microbatches in flight on pipeline stage r of p with M microbatches: 1F1B min(p - r, M); interleaved with v
 chunks min(2(p - r - 1) + (v - 1)p + 1, Mv) chunk-forwards of L/(pv) layers - on the first stage
@@ -167,10 +169,14 @@ class LayerActivationTerms:
     attention_core: float = 0.0
     mlp: float = 0.0
     layer_input: float = 0.0  # full recompute: the checkpoint's input (one per group of N layers)
+    rng_state: float = 0.0  # compiled selective core_attn: the generator state its replay restores
 
     @property
     def total(self) -> float:
         return sum(getattr(self, f.name) for f in fields(self))
+
+
+CPU_RNG_STATE_BYTES = 5056  # torch.get_rng_state().numel(): the CPU generator's mt19937 state
 
 
 def activation_element_bytes(precision: str) -> int:
@@ -242,6 +248,9 @@ def layer_activation_terms(
         if model.attention_dropout > 0:
             core += (1 + e) * a * s * s * b
     linear_inputs = _linear_inputs(e * sbh, sp_div, selective, profile)
+    # SDPA is tagged nondeterministic (its dropout_p), so inductor's partitioner saves the default generator's
+    # state for the recomputed attention to replay with: torch.get_rng_state() on CPU, (seed, offset) on CUDA.
+    rng_state = (CPU_RNG_STATE_BYTES if device == "cpu" else 16) if compiled and "core_attn" in selective else 0.0
     if compiled and "mlp" in selective:  # the partitioner rebuilds the checkpointed MLP's input from the norm's
         linear_inputs -= e * sbh / sp_div
     return LayerActivationTerms(
@@ -255,6 +264,7 @@ def layer_activation_terms(
         attention_output=e * sbh * max(copies, 1) / tp,
         attention_core=core / tp,
         mlp=0.0 if "mlp" in selective else mlp_activation_bytes(model, e, s * b, tp, "mlp_act" in selective, sp_div, etp),
+        rng_state=rng_state,
     )
 
 
