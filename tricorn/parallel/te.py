@@ -56,7 +56,6 @@ from tricorn.config import Config
 from tricorn.model.spec import LayerSpec
 from tricorn.parallel.state import flatten
 from tricorn.parallel.tensor import _mark
-from tricorn.planning.fp8_terms import AMAX_HISTORY_LEN
 
 # The tested range, the `te` extra's pin in pyproject.toml: the signature test (tests/test_te_signatures.py)
 # parses both ends' sources.
@@ -64,6 +63,7 @@ TE_MIN, TE_BELOW = (2, 8), (2, 21)
 TE_PIN = f"transformer-engine[pytorch]>={TE_MIN[0]}.{TE_MIN[1]},<{TE_BELOW[0]}.{TE_BELOW[1]}"
 # Errors about the node rather than the config carry this phrase: `tricorn estimate` plans on a login node.
 ON_THIS_NODE = "on this node"
+AMAX_HISTORY_LEN = 1024  # DelayedScaling's amax history (TE's default); planning/fp8_terms.py counts it
 RECIPES = {"delayed": "DelayedScaling", "tensorwise": "Float8CurrentScaling", "mxfp8": "MXFP8BlockScaling"}
 
 

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tricorn.config import ModelConfig
+from tricorn.parallel.te import AMAX_HISTORY_LEN
 
 if TYPE_CHECKING:
     from tricorn.planning.layout import Layout
 
-AMAX_HISTORY_LEN = 1024  # TE's DelayedScaling default, what te.py passes
 MX_BLOCK = 32  # MXFP8: one 1-byte scale per 32 elements
 FWD_QUANTIZERS, BWD_QUANTIZERS = 3, 2  # per TE Linear (TE's fp8_meta: num_gemms x 3 forward, x 2 backward)
 
