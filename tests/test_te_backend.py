@@ -192,8 +192,8 @@ def _te_linear_weights(cfg) -> int:
 
 @pytest.mark.parametrize("zero3", [False, True])
 def test_estimate_prints_the_fp8_terms(zero3):
-    from tricorn.planning.estimate import config_for_estimate, estimate_record, format_report
     from tricorn.parallel.te import AMAX_HISTORY_LEN
+    from tricorn.planning.estimate import config_for_estimate, estimate_record, format_report
 
     layout = ["--zero-stage", "3"] if zero3 else []
     world = 2 if zero3 else None
