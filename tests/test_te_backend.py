@@ -210,3 +210,39 @@ def test_estimate_prints_the_fp8_terms(zero3):
     assert terms["activation_delta_bytes"] < 0  # FP8 linear inputs: 1 byte instead of 2
     report = format_report(fp8, gpu_memory_bytes=80 * 2**30)
     assert "FP8 (transformer_engine, delayed): weight cache" in report and "FP8 weights + scales" in report
+
+
+# ---------------------------------------------------------------- the step-time model and the planner under FP8
+
+
+def test_fp8_step_time_runs_the_linears_at_the_fp8_peak():
+    import dataclasses
+
+    from tricorn.planning.hardware import get_gpu
+    from tricorn.planning.layout import Layout
+    from tricorn.planning.step_time import Cluster, _head_time, fp8_cast_bytes, step_time
+
+    model = config_from_args(["--model-preset", "llama3-8b"], world_size=8).model
+    gpu = get_gpu("h100-80gb")
+    bf16 = Layout(tp=2, dp=4, sequence_parallel=True, zero_stage=1, num_microbatches=2)
+    fp8 = dataclasses.replace(bf16, transformer_impl="transformer_engine", fp8_recipe="delayed")
+    t16, _ = step_time(model, bf16, Cluster(8, 8, gpu, gpu.peak_tflops("bf16")), 64)
+    fast = Cluster(8, 8, gpu, gpu.peak_tflops("fp8"))  # under FP8 the cluster's peak is the FP8 one (MFU's)
+    t8, _ = step_time(model, fp8, fast, 64)
+    # The linears are most of the compute, but attention, the head, the casts and the communication stay: faster
+    # than bf16, never twice as fast.
+    assert t16 / 2 < t8 < t16
+    assert _head_time(model, fp8, fast) == _head_time(model, bf16, Cluster(8, 8, gpu, gpu.peak_tflops("bf16")))
+    assert fp8_cast_bytes(model, bf16, 8192) == 0 < fp8_cast_bytes(model, fp8, 8192)
+
+
+def test_planner_offers_no_recompute_with_te_fp8():
+    from tricorn.planning.hardware import get_gpu
+    from tricorn.planning.planner import layout_groups
+    from tricorn.planning.step_time import Cluster
+
+    model = config_from_args(["--model-preset", "llama3-8b"], world_size=8).model
+    cluster = Cluster(8, 8, get_gpu("h100-80gb"), get_gpu("h100-80gb").peak_tflops("fp8"))
+    layouts = [lay for group in layout_groups(model, cluster, 64, "bf16", ("transformer_engine", "delayed")) for lay in group]
+    assert layouts and {lay.recompute for lay in layouts} == {None}  # refused with TE's FP8 (validation)
+    assert {lay.fp8_recipe for lay in layouts} == {"delayed"}
