@@ -246,3 +246,16 @@ def test_planner_offers_no_recompute_with_te_fp8():
     layouts = [lay for group in layout_groups(model, cluster, 64, "bf16", ("transformer_engine", "delayed")) for lay in group]
     assert layouts and {lay.recompute for lay in layouts} == {None}  # refused with TE's FP8 (validation)
     assert {lay.fp8_recipe for lay in layouts} == {"delayed"}
+
+
+def test_fp8_shapes_te_cannot_take_are_refused_with_the_sizes_named():
+    te = FLAGS + ["--transformer-impl", "transformer_engine", "--bf16", "--fp8-format", "hybrid"]
+    assert not [e for e in validate(config_from_args(te, world_size=1)) if "divisible by 8" in e]
+    errs = [e for e in validate(config_from_args(te + ["--ffn-hidden-size", "200"], world_size=1)) if "TE's FP8 GEMM" in e]
+    assert len(errs) == 1 and "--ffn-hidden-size / TP = 200" in errs[0], errs
+    errs = [
+        e
+        for e in validate(config_from_args(te + ["--seq-length", "12", "--micro-batch-size", "1"], world_size=1))
+        if "FP8 GEMM" in e
+    ]
+    assert len(errs) == 1 and "tokens per microbatch (micro batch x seq / CP) = 12" in errs[0], errs

@@ -109,6 +109,26 @@ def mxfp8_error(capability: Optional[tuple[int, int]]) -> Optional[str]:
     )
 
 
+def fp8_shape_error(cfg: Config) -> Optional[str]:
+    """TE's FP8 GEMM takes a [rows, cols] operand only with rows divisible by 8 and cols by 16 (its
+    assert_dim_for_fp8_exec, on each linear's input and weight): one line naming the sizes that are not."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    q, kv = m.num_attention_heads * m.head_dim, m.kv_heads * m.head_dim
+    up = m.ffn_size * (2 if m.swiglu else 1)
+    tokens = cfg.training.micro_batch_size * m.seq_length // cfg.parallel.context_parallel_size
+    sp = cfg.parallel.sequence_parallel and tp > 1
+    rows = {"QKV's output features / TP": (q + 2 * kv) // tp, "w1's output features / TP": up // tp}
+    rows["tokens per microbatch (micro batch x seq / CP" + (" / TP under SP)" if sp else ")")] = tokens // (tp if sp else 1)
+    cols = {"--hidden-size": m.hidden_size, "attention width / TP": q // tp, "--ffn-hidden-size / TP": m.ffn_size // tp}
+    bad = [f"{k} = {v}" for k, v in rows.items() if v % 8] + [f"{k} = {v}" for k, v in cols.items() if v % 16]
+    if not bad:
+        return None
+    return (
+        "--fp8-format with Transformer Engine needs each linear's rows divisible by 8 and columns by 16 (TE's FP8 GEMM); "
+        f"not so: {', '.join(bad)}"
+    )
+
+
 def validate_te(cfg: Config) -> list[str]:
     """The TE backend's and TE FP8's checks, one sentence each (called by tricorn.validation)."""
     m, t = cfg.model, cfg.training
@@ -128,6 +148,8 @@ def validate_te(cfg: Config) -> list[str]:
             "the recomputed forward would run outside TE's FP8 autocast and differ from the forward it replays; "
             "drop one of them"
         )
+    if t.fp8_format:
+        errs += [e for e in [fp8_shape_error(cfg)] if e]
     if cfg.device == "cuda":
         version_error = te_version_error(installed_te_version())
         if version_error:
