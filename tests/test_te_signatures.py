@@ -263,3 +263,11 @@ def test_the_check_fails_when_te_renames_a_keyword(te_sources, monkeypatch, tmp_
     calls = tricorn_calls(monkeypatch, tmp_path, old_autocast=False)
     assert "Linear.__init__: tricorn passes sequence_parallel=, which TE's signature does not have" in call_problems(api, calls)
     assert "stand-in Linear.__init__ has sequence_parallel, TE does not" in standin_problems(api)
+
+
+def test_the_te_extra_pins_the_tested_range():
+    from tricorn.parallel.te import TE_PIN
+
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert f'te = ["{TE_PIN}"]' in pyproject
+    assert f"{TE_MIN[0]}.{TE_MIN[1]}.0" == TE_VERSIONS[0]  # the lowest version of the range is the one parsed
