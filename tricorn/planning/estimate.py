@@ -170,7 +170,8 @@ def format_report(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> str:
         f"(pipeline stage {rec['stage']}, {rec['layers_on_stage']} layers, {rec['microbatches_in_flight']:g} microbatches in flight)",
     ]
     for key, label in CATEGORIES:
-        lines.append(f"  {label:<26}{_gib(rec[key])}")
+        if key != "fp8_bytes" or "fp8" in rec:  # the FP8 row only for an FP8 run
+            lines.append(f"  {label:<26}{_gib(rec[key])}")
     lines.append(f"  {'total':<26}{_gib(rec['total_bytes'])}")
     if "fp8" in rec:
         f = rec["fp8"]
