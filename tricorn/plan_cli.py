@@ -21,6 +21,7 @@ from typing import Optional
 from tricorn.config import ConfigError, ModelConfig, config_from_args
 from tricorn.planning import sbatch
 from tricorn.planning.hardware import GiB, get_gpu
+from tricorn.planning.layout import Layout
 from tricorn.planning.memory import active_params, total_params
 from tricorn.planning.plan_checks import explain_impossible
 from tricorn.planning.planner import Plan, layout_text, max_model, plan, recompute_text
@@ -165,7 +166,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f"micro batch 1: {best['memory_gb']} GiB per GPU on {best['gpus_used']} GPUs"
             )
         return 0 if best is not None else 1
-    result = plan(model, cluster, gbs, precision, args.top_k)
+    fp8 = Layout.from_config(cfg)  # the FP8 recipe in effect of --transformer-impl / --fp8-format / --fp8-recipe
+    result = plan(model, cluster, gbs, precision, args.top_k, fp8=(fp8.transformer_impl, fp8.fp8_recipe))
     if not result.plans:
         print(f"tricorn plan: {explain_impossible(model, name, cluster, gbs, result, precision)}", file=sys.stderr)
         if args.json:
@@ -181,8 +183,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             plans[0]["verify"] = verify(name, model, result.plans[0], args.gpus, gbs, precision)[1]
         print(json.dumps(plans, indent=2))
         return 0
+    fp8_text = f" + FP8 ({fp8.fp8_recipe}, {fp8.transformer_impl})" if fp8.fp8_recipe else ""
     print(
-        f"{name}: {total_params(model) / 1e9:.2f} B parameters{_active_note(model)}, seq {model.seq_length}, global batch {gbs}, {precision} on "
+        f"{name}: {total_params(model) / 1e9:.2f} B parameters{_active_note(model)}, seq {model.seq_length}, global batch {gbs}, {precision}{fp8_text} on "
         f"{args.gpus} x {gpu.name} ({args.gpus_per_node} per node), {cluster.usable_bytes / GiB:.1f} GiB usable per GPU\n"
         f"{result.considered} layouts considered, {result.fitting} fit, {result.ties} tie with the fastest; "
         f"top {len(result.plans)}, ties first (simplest first), then by predicted tokens/s:\n" + _table(result.plans)

@@ -18,7 +18,7 @@ from tricorn.parallel.batch_schedule import validate_rampup
 from tricorn.parallel.compile import validate_compile
 from tricorn.parallel.pipeline.stages import validate_pipeline
 from tricorn.parallel.recompute import validate_recompute
-from tricorn.parallel.te import TransformerEngineUnavailable, import_te
+from tricorn.parallel.te import validate_te
 
 
 def validate(cfg: Config) -> list[str]:
@@ -87,24 +87,13 @@ def validate(cfg: Config) -> list[str]:
         errs.append("--mock-data needs --vocab-size")
     if d.tokenizer_type != "NullTokenizer" and not d.tokenizer_model and not d.mock_data:
         errs.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model FILE.model")
-    if m.transformer_impl == "transformer_engine" and cfg.device != "cuda":
-        errs.append("--transformer-impl transformer_engine needs --device cuda (Transformer Engine has no CPU path)")
-    if m.transformer_impl == "transformer_engine" and cfg.device == "cuda":
-        try:
-            import_te()
-        except TransformerEngineUnavailable as e:
-            errs.append(str(e))
+    errs += validate_te(cfg)  # device, installed version in the pinned range, recipe, GPU for mxfp8
     if t.fp8_format and not (t.bf16 or t.fp16):
         errs.append("--fp8-format needs --bf16 (FP8 GEMMs keep bf16 weights and activations around them)")
     if t.fp8_format and m.transformer_impl != "transformer_engine":
         errs.append("--fp8-format needs --transformer-impl transformer_engine")
     if t.fp8_recipe and not t.fp8_format:
         errs.append(f"--fp8-recipe {t.fp8_recipe} needs --fp8-format e4m3|hybrid (it chooses how FP8 GEMMs are scaled)")
-    if t.fp8_format and m.recompute_granularity:
-        errs.append(
-            "--fp8-format with --recompute-granularity is not supported: the recomputed forward would run outside "
-            "FP8 and differ from the forward it replays; drop one of them"
-        )
     if not errs:  # each feature validates its own flags once the basic shape is sound
         errs += (
             validate_pipeline(cfg) + validate_rampup(cfg) + validate_recompute(cfg) + validate_moe(cfg) + validate_compile(cfg)

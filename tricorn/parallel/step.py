@@ -47,9 +47,19 @@ def microbatch_loss(model: nn.Module, mb: Batch, num_tokens: torch.Tensor) -> to
     return (per_token * mb.loss_mask).sum() / num_tokens
 
 
+def new_global_batch(chunks: list[nn.Module]) -> None:
+    """Before a global batch's first microbatch: modules that cache per-batch work (Transformer Engine's FP8
+    weight casts, tricorn/parallel/te.py) redo it once, since the weights changed at the last step."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            if hasattr(module, "new_global_batch"):
+                module.new_global_batch()
+
+
 def forward_backward_no_pipelining(chunks: list[nn.Module], microbatches: list[Batch], ctx: StepContext) -> torch.Tensor:
     """Returns this rank's sum of normalised microbatch losses (detached)."""
     (model,) = chunks
+    new_global_batch(chunks)
     total = torch.zeros((), dtype=torch.float32, device=microbatches[0].tokens.device)
     for i, mb in enumerate(microbatches):
         mb = ctx.prepare(mb)

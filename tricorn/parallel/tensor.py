@@ -179,8 +179,8 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # In place, no clone: copy_to_tp's output feeds exactly one GEMM (a column-parallel linear's or a TE
-        # GEMM's input), so `grad` is that GEMM's fresh input gradient, handed to this node alone (Megatron
+        # In place, no clone: copy_to_tp's output feeds exactly one GEMM (a column-parallel linear's input),
+        # so `grad` is that GEMM's fresh input gradient, handed to this node alone (Megatron
         # all-reduces it in place too).
         return _all_reduce(grad, ctx.group), None
 
@@ -276,11 +276,6 @@ class _TPBase(nn.Module):
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.tp = dist.get_world_size(group)
-
-    def _enter(self, x: torch.Tensor) -> torch.Tensor:
-        """Input of a column-parallel layer computed by another kernel (Transformer Engine): the gathered
-        sequence (SP) or the TP fan-out."""
-        return gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
 
     def _column(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A column-parallel product: under SP all-gather the sequence (saving only the shard), else mark the

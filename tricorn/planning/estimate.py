@@ -18,8 +18,11 @@ import sys
 from typing import Optional
 
 from tricorn.config import Config, ConfigError, build_parser, config_from_args
+from tricorn.parallel.te import ON_THIS_NODE
 from tricorn.planning.flops import iteration_flops_for_config
+from tricorn.planning.fp8_terms import fp8_terms
 from tricorn.planning.hardware import GiB, get_gpu
+from tricorn.planning.layout import Layout
 from tricorn.planning.memory import MemoryEstimate, active_params, estimate_config, total_params
 from tricorn.validation import validate
 
@@ -31,6 +34,7 @@ CATEGORIES = [
     ("activation_bytes", "activations"),
     ("embedding_logits_bytes", "embedding + logits"),
     ("buffer_bytes", "buffers"),
+    ("fp8_bytes", "FP8 weights + scales"),
     ("overhead_bytes", "CUDA context/workspace"),
 ]
 
@@ -62,8 +66,8 @@ def config_for_estimate(argv: list[str], world_size: Optional[int] = None) -> Co
         cfg.model.vocab_size = _tokenizer_vocab(cfg.data.tokenizer_model)
     if cfg.model.vocab_size is None:
         raise ConfigError("the vocabulary size is unknown: pass --vocab-size N or --tokenizer-model FILE.model")
-    # An estimate needs no data.
-    errors = [e for e in validate(cfg) if "training data" not in e]
+    # An estimate needs no data, and plans on any node: what this node has installed does not matter.
+    errors = [e for e in validate(cfg) if "training data" not in e and ON_THIS_NODE not in e]
     if errors:
         raise ConfigError("; ".join(errors))
     return cfg
@@ -105,6 +109,17 @@ def estimate_record(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> di
         model_flops_per_iteration=f.model,
         hardware_flops_per_iteration=f.hardware,
     )
+    if cfg.training.fp8_format:
+        lay = Layout.from_config(cfg)
+        terms = fp8_terms(cfg.model, lay, est.layers_on_stage, est.microbatches_in_flight)
+        rec["fp8"] = dict(
+            engine=lay.transformer_impl,
+            recipe=lay.fp8_recipe,
+            weight_cache_bytes=terms.weight_cache,
+            saved_weights_bytes=terms.saved_weights,
+            scales_bytes=terms.scales,
+            activation_delta_bytes=terms.activation_delta * est.layers_on_stage * est.microbatches_in_flight,
+        )
     if gpu_memory_bytes is not None:
         rec["gpu_memory_bytes"] = gpu_memory_bytes
         rec["fits"] = est.total_bytes <= gpu_memory_bytes
@@ -155,8 +170,16 @@ def format_report(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> str:
         f"(pipeline stage {rec['stage']}, {rec['layers_on_stage']} layers, {rec['microbatches_in_flight']:g} microbatches in flight)",
     ]
     for key, label in CATEGORIES:
-        lines.append(f"  {label:<26}{_gib(rec[key])}")
+        if key != "fp8_bytes" or "fp8" in rec:  # the FP8 row only for an FP8 run
+            lines.append(f"  {label:<26}{_gib(rec[key])}")
     lines.append(f"  {'total':<26}{_gib(rec['total_bytes'])}")
+    if "fp8" in rec:
+        f = rec["fp8"]
+        lines.append(
+            f"  FP8 ({f['engine']}, {f['recipe']}): weight cache {f['weight_cache_bytes'] / GiB:.2f} GiB, saved FP8 "
+            f"weights {f['saved_weights_bytes'] / GiB:.2f} GiB, scales {f['scales_bytes'] / 2**20:.2f} MiB; saved "
+            f"activations {f['activation_delta_bytes'] / GiB:+.2f} GiB against bf16 (in activations)"
+        )
     if len(rec["per_stage_total_bytes"]) > 1:
         lines.append("  per pipeline stage: " + ", ".join(f"{x / GiB:.2f}" for x in rec["per_stage_total_bytes"]) + " GiB")
     if gpu_memory_bytes is not None:

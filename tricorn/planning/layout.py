@@ -39,6 +39,8 @@ class Layout:
     ep: int = 1  # expert parallel: ranks of DP x CP that split the MoE experts
     etp: int = 1  # expert tensor parallel: 1 (routed experts replicated over TP) or TP (split like the dense MLP)
     compiled: bool = False  # --torch-compile: the compiled layers keep no RoPE rows (planning/activations.py)
+    transformer_impl: str = "local"  # --transformer-impl
+    fp8_recipe: Optional[str] = None  # the FP8 recipe in effect (planning/fp8_terms.py); None: no FP8
 
     @property
     def world_size(self) -> int:
@@ -75,4 +77,8 @@ class Layout:
             ep=p.expert_model_parallel_size,
             etp=p.expert_tensor_parallel_size,
             compiled=m.torch_compile,
+            transformer_impl=m.transformer_impl,
+            fp8_recipe=(t.fp8_recipe or ("delayed" if m.transformer_impl == "transformer_engine" else "tensorwise"))
+            if t.fp8_format
+            else None,
         )

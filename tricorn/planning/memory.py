@@ -18,6 +18,8 @@ stage x microbatches in flight, the embedding / head / loss part, and the transi
 Buffers: pipeline send/recv tensors, ZeRO-3's gathered layer (and its prefetch). Stages 0-1 reduce gradients in
 place (no bucket beyond main_grad, whatever --ddp-bucket-size is). ZeRO-2/3 have a second candidate peak at the
 first layer's backward, with two full-size gradient buckets alive (``zero_backward_peak``); the larger one counts.
+FP8 (planning/fp8_terms.py): the FP8 weight caches, saved FP8 weights and scaling state in their own category,
+and the change of the saved activations (FP8 linear inputs) added to the activations.
 Overhead: CUDA context, cuBLAS/NCCL workspaces (a fixed ``CUDA_OVERHEAD_BYTES`` on GPU, 0 on CPU).
 
 No collectives, no device work.
@@ -45,6 +47,7 @@ from tricorn.planning.activations import (  # noqa: F401 - re-exported: the esti
     other_saved_bytes,
     stage_activation_bytes,
 )
+from tricorn.planning.fp8_terms import fp8_terms
 from tricorn.planning.layout import Layout
 
 GiB = 1024**3
@@ -265,6 +268,7 @@ class MemoryEstimate:
     activation_bytes_per_layer: float = 0.0
     activation_bytes_other: float = 0.0
     per_stage_total_bytes: list[float] = field(default_factory=list)
+    fp8_bytes: float = 0.0  # FP8 weight caches (or saved FP8 weights under ZeRO-3) and scaling state
     grad_buffer_bytes: float = 0.0  # of buffer_bytes: transient gradient buckets (``zero_backward_peak``)
     param_buffer_bytes: float = 0.0  # of buffer_bytes: ZeRO-3's gathered layers
 
@@ -285,7 +289,12 @@ class MemoryEstimate:
     @property
     def total_bytes(self) -> float:
         return (
-            self.model_state_bytes + self.activation_bytes + self.embedding_logits_bytes + self.buffer_bytes + self.overhead_bytes
+            self.model_state_bytes
+            + self.activation_bytes
+            + self.embedding_logits_bytes
+            + self.buffer_bytes
+            + self.overhead_bytes
+            + self.fp8_bytes
         )
 
     def to_dict(self) -> dict:
@@ -430,6 +439,8 @@ def estimate(
         # The distributed optimizer shards the routed experts over expert-DP (DP x CP / EP), the rest over DP x CP.
         state = state_of(n_params - n_experts, shard) + state_of(n_experts, shard // layout.ep)
         activations = stage_activation_bytes(model, layout, stage, n_layers, profile)
+        fp8 = fp8_terms(model, layout, n_layers, microbatches_in_flight(layout, stage))
+        activations += fp8.activation_delta * n_layers * microbatches_in_flight(layout, stage)
         logits = embedding_logits_bytes(model, layout, stage, profile)
         # The stage's first MoE layer backward: its workspace, where the last stage's loss part is released.
         activations += max(0.0, moe_backward_workspace(model, layout) - loss_part_bytes(model, layout, stage, profile))
@@ -451,6 +462,7 @@ def estimate(
             grad_buffer_bytes=buffers.gradients,
             param_buffer_bytes=buffers.parameters,
             overhead_bytes=CUDA_OVERHEAD_BYTES if layout.device == "cuda" else 0.0,
+            fp8_bytes=fp8.held,
             microbatches_in_flight=microbatches_in_flight(layout, stage),
             activation_bytes_per_layer=layout_layer_bytes(model, layout, profile) if n_layers else 0.0,
             activation_bytes_other=other_saved_bytes(model, layout, stage, profile),

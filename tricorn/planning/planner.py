@@ -145,16 +145,26 @@ def sequence_parallel(model: ModelConfig, tp: int) -> bool:
     return tp > 1
 
 
-def layout_groups(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16") -> Iterator[list[Layout]]:
-    """Layouts in groups that differ only in the micro batch, smallest first (memory grows along a group)."""
+def layout_groups(
+    model: ModelConfig,
+    cluster: Cluster,
+    global_batch: int,
+    precision: str = "bf16",
+    fp8: tuple[str, Optional[str]] = ("local", None),
+) -> Iterator[list[Layout]]:
+    """Layouts in groups that differ only in the micro batch, smallest first (memory grows along a group).
+    ``fp8``: (--transformer-impl, the FP8 recipe in effect or None); Transformer Engine's FP8 takes no recompute."""
+    impl, recipe = fp8
+    recomputes = RECOMPUTE[:1] if impl == "transformer_engine" and recipe else RECOMPUTE
     for tp, cp, pp, ep, split in _grids(model, cluster, global_batch):
         dp = cluster.gpus // (tp * cp * pp)
         base = Layout(tp=tp, pp=pp, cp=cp, dp=dp, sequence_parallel=sequence_parallel(model, tp), precision=precision, ep=ep)
+        base = dataclasses.replace(base, transformer_impl=impl, fp8_recipe=recipe)
         base = dataclasses.replace(base, first_stage_layers=split[0], last_stage_layers=split[1])
         zeros = ((0, 1, 2, 3) if pp == 1 and ep == 1 else (0, 1)) if dp * cp > 1 else (0,)
         vpps = [1] if split[0] is not None or pp == 1 else [v for v in divisors(model.num_layers // pp) if v <= MAX_VPP]
         for vpp in vpps:
-            for recompute, modules in RECOMPUTE:
+            for recompute, modules in recomputes:
                 for zero in zeros:
                     group = []
                     for mb in divisors(global_batch // dp):
@@ -287,10 +297,17 @@ def rank(plans: list[Plan]) -> list[Plan]:
     return ties + rest
 
 
-def plan(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16", top_k: int = 5) -> PlanResult:
+def plan(
+    model: ModelConfig,
+    cluster: Cluster,
+    global_batch: int,
+    precision: str = "bf16",
+    top_k: int = 5,
+    fp8: tuple[str, Optional[str]] = ("local", None),
+) -> PlanResult:
     fits: list[Plan] = []
     considered, leanest = 0, None
-    for group in layout_groups(model, cluster, global_batch, precision):
+    for group in layout_groups(model, cluster, global_batch, precision, fp8):
         considered += len(group)
         for lay in group:  # memory grows with the micro batch: stop at the first that does not fit
             mem = worst_memory(model, lay)

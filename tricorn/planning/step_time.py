@@ -7,6 +7,9 @@ runs by tricorn/planning/calibration.py and stored in tricorn/planning/data/step
   runs at ``attention`` x b / (b + HALF_DIM), b the length of the query/key blocks (s, or s / 2CP under CP's
   load-balanced chunks). Backward costs 2x the GEMMs' forward and 2.5x the attention core's (flash recomputes
   Q K^T). Memory-bound work (norms, RoPE, activations, casts) adds ELEMENTWISE_OVERHEAD of the GEMM time.
+- FP8 (--fp8-format, either engine): the four linears' GEMMs run at the FP8 peak, the attention core and the
+  head at the 16-bit one (``_peaks``); each layer adds its FP8 casts, memory-bound (``fp8_cast_bytes``). Not
+  calibrated: the published runs of calibration.py are bf16/fp16.
 - recompute: full re-runs the layer's forward; selective re-runs the modules named (core_attn: the attention
   core; mlp: the MLP's up projection and activation; norm: the two norms, memory-bound).
 - TP: with SP, 4 all-gathers / reduce-scatters of the [tokens, h] activation per layer forward and 4 backward
@@ -138,8 +141,33 @@ def _link(cluster: Cluster, group_stride: int, group_size: int) -> float:
     return cluster.gpu.network_bytes_per_s * cluster.eff.network
 
 
+def _peaks(lay: Layout, cluster: Cluster) -> tuple[float, float]:
+    """FLOP/s of (the decoder's four linears, all other compute). Under FP8 ``cluster.peak_tflops`` is the FP8 peak
+    (what MFU is measured against, as in the trainer's log) and only the linears run in FP8, on either engine:
+    the attention core and the head run at the 16-bit rate, the GPU table's bf16 / fp8 ratio of it."""
+    peak = cluster.peak_tflops * 1e12
+    if lay.fp8_recipe is None:
+        return peak, peak
+    return peak, peak * cluster.gpu.peak_tflops("bf16") / cluster.gpu.peak_tflops("fp8")
+
+
+def fp8_cast_bytes(model: ModelConfig, lay: Layout, tokens: float) -> float:
+    """HBM bytes of one layer's FP8 casts per microbatch on a rank (0 without FP8): each linear's input in forward
+    (QKV's and w1's as the sequence shard under SP) and each linear's output gradient in backward, read in the
+    16-bit dtype and written in FP8. The weights' casts, once per global batch, are left out (1/M of that)."""
+    if lay.fp8_recipe is None:
+        return 0.0
+    h, gd, tp = model.hidden_size, model.kv_heads * model.head_dim, lay.tp
+    q, sp_div = model.num_attention_heads * model.head_dim, tp if lay.sequence_parallel else 1
+    f = mlp_width_per_rank(model, tp, lay.sequence_parallel, lay.etp)
+    up = f * (2 if model.swiglu else 1)
+    forward = 2 * h / sp_div + q / tp + f
+    backward = (q + 2 * gd) / tp + up + 2 * h / sp_div
+    return tokens * (forward + backward) * (activation_element_bytes(lay.precision) + 1)
+
+
 def _layer(model: ModelConfig, lay: Layout, cluster: Cluster, features: RunFeatures) -> _Layer:
-    peak, eff = cluster.peak_tflops * 1e12, cluster.eff
+    (peak, peak16), eff = _peaks(lay, cluster), cluster.eff
     h, gd, tp, cp = model.hidden_size, model.kv_heads * model.head_dim, lay.tp, lay.cp
     q = model.num_attention_heads * model.head_dim
     e = activation_element_bytes(lay.precision)
@@ -153,7 +181,7 @@ def _layer(model: ModelConfig, lay: Layout, cluster: Cluster, features: RunFeatu
     gemm_fwd = qkv + proj + mlp_up + mlp_down
     block = model.seq_length / (2 * cp) if cp > 1 else model.seq_length  # CP's load-balanced query/key chunks
     core_flops = 4 * tokens * model.seq_length * q / tp  # every query against all keys of the sequence
-    core_fwd = core_flops / (peak * eff.attention * block / (block + HALF_DIM))
+    core_fwd = core_flops / (peak16 * eff.attention * block / (block + HALF_DIM))
     norm_fwd = 2 * 2 * tokens * h * e / (tp if lay.sequence_parallel else 1) / cluster.gpu.hbm_bytes_per_s
     if lay.recompute == "full":
         recompute = gemm_fwd + core_fwd
@@ -163,6 +191,7 @@ def _layer(model: ModelConfig, lay: Layout, cluster: Cluster, features: RunFeatu
     else:
         recompute = 0.0
     total = (3 * gemm_fwd + 3.5 * core_fwd) * (1 + ELEMENTWISE_OVERHEAD) + recompute * (1 + ELEMENTWISE_OVERHEAD)
+    total += fp8_cast_bytes(model, lay, tokens) / cluster.gpu.hbm_bytes_per_s
     out = _Layer(fwd=(gemm_fwd + core_fwd) * (1 + ELEMENTWISE_OVERHEAD), total=total)
     if tp > 1:
         collectives = 8 + (4 if lay.recompute == "full" else 0)
@@ -186,7 +215,7 @@ def _head_time(model: ModelConfig, lay: Layout, cluster: Cluster) -> float:
     tokens = lay.micro_batch * model.seq_length / lay.cp
     vocab = model.padded_vocab_size(lay.tp)
     flops = 2 * tokens * model.hidden_size * vocab / lay.tp
-    g = _gemm_time(flops, min(tokens, vocab / lay.tp, model.hidden_size), cluster.peak_tflops * 1e12, cluster.eff.gemm)
+    g = _gemm_time(flops, min(tokens, vocab / lay.tp, model.hidden_size), _peaks(lay, cluster)[1], cluster.eff.gemm)
     return 3 * g * (1 + ELEMENTWISE_OVERHEAD)
 
 

@@ -75,8 +75,8 @@ def build(cfg: Config, state):
 
         spec = te_spec(spec, cfg, state.tp_group, state.device)
     # One chunk per virtual pipeline stage of this rank (the whole model without PP), built on meta with
-    # hollow parameters that the DP buckets fill (ZeRO-3: only the owned shard). TE/FP8 modules build as before.
-    hollow = cfg.model.transformer_impl != "transformer_engine" and not cfg.training.fp8_format
+    # hollow parameters that the DP buckets fill (ZeRO-3: only the owned shard); TE's Linear too (deferred init).
+    hollow = cfg.model.transformer_impl == "transformer_engine" or not cfg.training.fp8_format
     chunks = build_model_chunks(cfg, spec, state.pp_rank, state.tp_size, state.device, hollow=hollow)
     # --torch-compile: each layer's forward compiled (before recompute, whose checkpoints wrap the compiled layer)
     apply_compile(chunks, cfg.model.torch_compile)

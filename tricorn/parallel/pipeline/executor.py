@@ -51,7 +51,7 @@ from tricorn.parallel.pipeline.schedules import (
     schedule_for,
 )
 from tricorn.parallel.pipeline.stages import layout_from_config
-from tricorn.parallel.step import StepContext, set_moe_aux_weight
+from tricorn.parallel.step import StepContext, new_global_batch, set_moe_aux_weight
 from tricorn.timers import PIPELINE_P2P_WAIT
 
 Key = tuple[int, int]  # (microbatch, chunk)
@@ -110,6 +110,7 @@ class PipelineExecutor:
         last_backward = {a.chunk: a for a in actions if a.kind is BACKWARD}  # the final one per chunk wins
         run = _Run(ctx, microbatches, total=torch.zeros((), dtype=torch.float32, device=microbatches[0].tokens.device))
         self.order, self.peak_in_flight = [], 0
+        new_global_batch(chunks)  # each chunk's first forward (microbatch 0) casts the FP8 weights again
         with torch.set_grad_enabled(not ctx.forward_only):
             for step in group_steps(actions):
                 head = step[0]
