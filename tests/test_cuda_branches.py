@@ -73,3 +73,19 @@ def test_cuda_configs_are_held_to_the_device_memory(monkeypatch: pytest.MonkeyPa
     with pytest.raises(SystemExit):
         main.resolve_config(BASE + ["--device", "cuda"])
     assert "exceeds the device's 0.0 GiB" in capsys.readouterr().err
+
+
+def test_compiled_runs_report_the_cuda_allocator_peak_without_the_tracker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--torch-compile: no PeakTracker (a dispatch mode would keep dynamo from compiling), but on CUDA the
+    allocator's high-water mark is still measured, and the summary line names it."""
+    from tricorn.training import memory_report
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda _d: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda _d: 7 * GiB)
+    monkeypatch.setattr(memory_report, "PeakTracker", None)  # must not be built
+    with memory_report.iteration_peak(None, [], torch.device("cuda", 0), by_kind=False) as peak:
+        assert calls == ["reset"]
+    assert peak == {"peak_allocated_bytes": 7 * GiB}
+    text = memory_report._peak_text([{"rank": 0, **peak}, {"rank": 1, "peak_allocated_bytes": GiB}])
+    assert text == " | iteration-1 peak 7168.00 MiB on rank 0 (CUDA allocator)"

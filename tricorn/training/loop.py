@@ -242,9 +242,10 @@ class Trainer:
         while self.iteration < t.train_iters:
             report = first_of_run and hasattr(self.optimizer, "memory_tensors")
             # The peak tracker is a TorchDispatchMode, under which dynamo does not trace (and then never compiles
-            # that code): with --torch-compile the report goes without the measured iteration-1 peak.
-            track = report and not self.cfg.model.torch_compile
-            with iteration_peak(self.optimizer, self.chunks, self.state.device) if track else nullcontext({}) as peak:
+            # that code): with --torch-compile the report has only CUDA's allocator peak (none on CPU).
+            by_kind = not self.cfg.model.torch_compile
+            peak_of = iteration_peak(self.optimizer, self.chunks, self.state.device, by_kind) if report else nullcontext({})
+            with peak_of as peak:
                 result = self.run_iteration()
             self.unlogged.append(result)
             if report:

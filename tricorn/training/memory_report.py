@@ -65,19 +65,26 @@ def measure(tensors: dict[str, list[torch.Tensor]], device: torch.device) -> dic
 
 
 @contextlib.contextmanager
-def iteration_peak(optimizer, chunks: list[nn.Module], device: torch.device) -> Iterator[dict[str, int]]:
+def iteration_peak(
+    optimizer, chunks: list[nn.Module], device: torch.device, by_kind: bool = True
+) -> Iterator[dict[str, int]]:
     """Around one iteration: its peak bytes by kind (training/peak.py), filled in when the block ends.
 
     Keys: peak_bytes and peak_<kind>_bytes for params, grads, master_params, optimizer_state and activations;
-    on CUDA also peak_allocated_bytes, the caching allocator's own high-water mark (torch.cuda).
+    on CUDA also peak_allocated_bytes, the caching allocator's own high-water mark (torch.cuda). Without
+    `by_kind` (--torch-compile: the tracker is a TorchDispatchMode, under which dynamo would never compile the
+    layers, and it could not see the compiled kernels' allocations anyway) only the CUDA high-water mark.
     """
     out: dict[str, int] = {}
-    existing = [t for ts in optimizer.memory_tensors().values() for t in ts] + [b for c in chunks for b in c.buffers()]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with PeakTracker(optimizer.memory_tensors, existing) as tracker:
+    if by_kind:
+        existing = [t for ts in optimizer.memory_tensors().values() for t in ts] + [b for c in chunks for b in c.buffers()]
+        with PeakTracker(optimizer.memory_tensors, existing) as tracker:
+            yield out
+        out.update({"peak_bytes": tracker.peak_bytes} | {f"peak_{k}": v for k, v in tracker.peak_by_kind.items()})
+    else:
         yield out
-    out.update({"peak_bytes": tracker.peak_bytes} | {f"peak_{k}": v for k, v in tracker.peak_by_kind.items()})
     if device.type == "cuda":
         out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
 
@@ -102,6 +109,9 @@ def _mib(n: int) -> str:
 def _peak_text(entries: list[dict]) -> str:
     """The highest iteration-1 peak over the ranks, by kind."""
     if not all("peak_bytes" in e for e in entries):
+        if entries and all("peak_allocated_bytes" in e for e in entries):  # --torch-compile on CUDA: no split by kind
+            top = max(entries, key=lambda e: e["peak_allocated_bytes"])
+            return f" | iteration-1 peak {_mib(top['peak_allocated_bytes'])} on rank {top['rank']} (CUDA allocator)"
         return ""
     top = max(entries, key=lambda e: e["peak_bytes"])
     kinds = ", ".join(
