@@ -65,9 +65,7 @@ def measure(tensors: dict[str, list[torch.Tensor]], device: torch.device) -> dic
 
 
 @contextlib.contextmanager
-def iteration_peak(
-    optimizer, chunks: list[nn.Module], device: torch.device, by_kind: bool = True
-) -> Iterator[dict[str, int]]:
+def iteration_peak(optimizer, chunks: list[nn.Module], device: torch.device, by_kind: bool = True) -> Iterator[dict[str, int]]:
     """Around one iteration: its peak bytes by kind (training/peak.py), filled in when the block ends.
 
     Keys: peak_bytes and peak_<kind>_bytes for params, grads, master_params, optimizer_state and activations;
