@@ -89,12 +89,16 @@ class Rotary(nn.Module):
     def reset_buffers(self, device) -> None:
         """(Re)compute the tables on `device` (None: the default one; a model built on meta calls it again).
         Computed on the CPU and moved: the same bits on every device."""
-        inv_freq = rope_inv_freq(self.head_dim, self.base, self.angles_dtype, self.scaling)
-        angles = torch.outer(torch.arange(self.max_positions, dtype=self.angles_dtype), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
+        target = torch.empty(0).device if device is None else device  # None: the ambient default (meta in a hollow build)
+        # On the CPU even under a `torch.device("meta")` build: meta has no kernels of its own for these ops, and
+        # its Python decompositions import torch._dynamo, several seconds of every rank's start-up.
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(self.head_dim, self.base, self.angles_dtype, self.scaling)
+            angles = torch.outer(torch.arange(self.max_positions, dtype=self.angles_dtype), inv_freq)
+            angles = torch.cat([angles, angles], dim=-1)
         # Buffers, not parameters: never trained, never checkpointed.
-        self.register_buffer("cos", angles.cos().float().to(device), persistent=False)
-        self.register_buffer("sin", angles.sin().float().to(device), persistent=False)
+        self.register_buffer("cos", angles.cos().float().to(target), persistent=False)
+        self.register_buffer("sin", angles.sin().float().to(target), persistent=False)
 
     def rows(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows [s, 1, 1, d] for sequence-first activations [s, b, heads, d] of `dtype`."""
