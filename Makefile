@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: venv
-	OMP_NUM_THREADS=1 TRICORN_STRICT_WARNINGS=1 $(PY) -m pytest -q -p no:cacheprovider tests
+	OMP_NUM_THREADS=1 TRICORN_STRICT_WARNINGS=1 $(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 demo: venv
 	$(PY) scripts/demo.py
