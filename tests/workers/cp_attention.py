@@ -9,7 +9,7 @@ While each comm type runs forward and backward, a dispatch mode records the larg
 returns: it must stay below s_local x s_global elements (no [s/CP, s] mask or score tensor). The old masked
 all-gather call is run under the same mode as a control, which must trip it.
 
-a2a and allgather also run with attention dropout: equal to the single-process keyed-mask attention.
+Each also runs with attention dropout (GQA): equal to the single-process keyed-mask attention.
 Prints one JSON line {"ok": true, "largest": {...}} on rank 0.
 """
 
@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from tricorn.model.dropout import ATTENTION_PROBS, AttentionDropout, DropoutKey
 from tricorn.model.spec import sdpa_causal
-from tricorn.parallel.context import COMM_TYPES, DROPOUT_COMM_TYPES, context_parallel_attention, local_positions
+from tricorn.parallel.context import COMM_TYPES, context_parallel_attention, local_positions
 
 dist.init_process_group("gloo")
 group = dist.group.WORLD
@@ -96,7 +96,7 @@ largest = {}
 for comm_type in COMM_TYPES:
     for groups in (heads, 2):  # MHA, GQA
         largest[f"{comm_type}/{groups}"] = run(comm_type, groups, 0.0)
-for comm_type in DROPOUT_COMM_TYPES:
+for comm_type in COMM_TYPES:
     run(comm_type, 2, 0.25)
 
 # The control: the old all-gather call with its [s/CP, s] boolean mask trips the same mode.

@@ -14,8 +14,8 @@ Attention meets the rest of the sequence one of three ways (``--cp-comm-type``, 
 - ``allgather`` (allgather.py): all-gather of the whole K/V, two fused calls per kept chunk.
 
 All three compute with fused kernels that return the log-sum-exp (blocks.py) and never build an [s/CP, s]
-mask or score tensor. Attention dropout (its layout-independent keyed masks) runs with a2a and allgather;
-the validation refuses it with p2p.
+mask or score tensor. Attention dropout keeps its layout-independent keyed masks with every comm type: the
+ring and allgather draw each block's masks by its global positions, a2a those of its global heads.
 """
 
 from __future__ import annotations
@@ -58,9 +58,7 @@ def context_parallel_attention(group: dist.ProcessGroup, comm_type: str = "p2p")
             return ulysses_attention(q, k, v, dropout, group)
         if comm_type == "allgather":
             return allgather_attention(q, k, v, dropout, group)
-        if dropout is not None:  # validation refuses this before launch; a direct caller gets the same sentence
-            raise ValueError(f"attention dropout needs --cp-comm-type {' or '.join(DROPOUT_COMM_TYPES)}, not p2p")
-        return ring_attention(q, k, v, ring)
+        return ring_attention(q, k, v, ring, dropout)
 
     return core
 

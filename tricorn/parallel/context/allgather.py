@@ -7,8 +7,8 @@ and its own c x c diagonal block causal. No mask tensor exists, so flash takes b
 
 Collectives (CP group): forward one all-gather each of k and v; backward one reduce-scatter each of their
 gradients. Nothing overlaps the gather. Memory: the whole sequence's k and v of one layer (and their fp32
-gradient accumulators in backward), on top of activations / CP. Attention dropout runs the explicit keyed-mask
-form of dropout.py over the gathered K/V ([s/CP, s] probabilities, as torch's math kernel would keep).
+gradient accumulators in backward), on top of activations / CP. Attention dropout runs each block as explicit
+math with the keyed masks of its global positions (blocks.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tricorn.model.dropout import AttentionDropout, attention_with_dropout
-from tricorn.parallel.context.blocks import Block, block_attention
+from tricorn.model.dropout import AttentionDropout
+from tricorn.parallel.context.blocks import Block, BlockDropout, block_attention
 from tricorn.parallel.context.layout import global_order, local_positions
 from tricorn.parallel.tensor import all_gather_dim, reduce_scatter_dim
 
@@ -55,7 +55,8 @@ def allgather_attention(
     s_local = q.shape[2]
     to_global, _ = global_order(s_local * cp, cp, q.device)
     k, v = (_GatherSeq.apply(t, group).index_select(2, to_global) for t in (k, v))
+    drop = None
     if dropout is not None:  # masks drawn by global position: the same as one process draws
         q_pos = local_positions(s_local * cp, rank, cp, q.device)
-        return attention_with_dropout(q, k, v, dropout, q_pos, torch.arange(s_local * cp, device=q.device))
-    return block_attention(q, k, v, prefix_blocks(rank, cp, s_local // 2))
+        drop = BlockDropout(dropout, q_pos, torch.arange(s_local * cp, device=q.device))
+    return block_attention(q, k, v, prefix_blocks(rank, cp, s_local // 2), drop)

@@ -19,7 +19,8 @@ attention, so communication overlaps compute (on NCCL the messages run on NCCL's
 async ops). Memory: at most two K/V pairs in flight (the one in use and the one arriving), the fp32 output
 and lse accumulators of the local rows; backward adds the fp32 dq accumulator and two fp32 dK/dV pairs
 (the one being added to and the one arriving). Saved for backward: q, k, v, the output and the lse -
-the same as one flash call on the local rows. No [s, s] or [s/CP, s] tensor is ever made.
+the same as one flash call on the local rows. No [s, s] or [s/CP, s] tensor is ever made. Attention dropout
+runs each step's block as explicit math with the keyed masks of its global positions (blocks.py).
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from tricorn.model.dropout import AttentionDropout
 from tricorn.parallel.context.blocks import (
     Block,
+    BlockDropout,
     accumulator_dtype,
     backward_blocks,
     empty_accumulators,
     finish_output,
     forward_blocks,
 )
+from tricorn.parallel.context.layout import local_positions
 
 
 class Ring:
@@ -71,9 +75,18 @@ def ring_blocks(step: int, rank: int, chunk: int) -> list[Block]:
     return [Block(chunk, two, 0, two, False)]
 
 
+def _step_dropout(dropout: Optional[AttentionDropout], ring: Ring, step: int, s_local: int, device) -> Optional[BlockDropout]:
+    """The keyed masks of step `step`: this rank's query positions against those of the visiting K/V pair."""
+    if dropout is None:
+        return None
+    s = s_local * ring.size
+    src = (ring.rank - step) % ring.size
+    return BlockDropout(dropout, local_positions(s, ring.rank, ring.size, device), local_positions(s, src, ring.size, device))
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring):
+    def forward(ctx, q, k, v, ring: Ring, dropout: Optional[AttentionDropout]):
         chunk = q.shape[2] // 2
         out_acc, lse_acc = empty_accumulators(q)
         kv = torch.stack([k, v])  # one message per step: [2, b, hkv, 2c, d]
@@ -81,12 +94,13 @@ class _RingAttention(torch.autograd.Function):
             works: list = []
             if step + 1 < ring.size:
                 nxt, works = ring.shift(kv)
-            forward_blocks(q, kv[0], kv[1], ring_blocks(step, ring.rank, chunk), out_acc, lse_acc)
+            drop = _step_dropout(dropout, ring, step, q.shape[2], q.device)
+            forward_blocks(q, kv[0], kv[1], ring_blocks(step, ring.rank, chunk), out_acc, lse_acc, drop)
             if works:
                 _wait(works)
                 kv = nxt
         out = finish_output(q, out_acc)
-        ctx.ring = ring
+        ctx.ring, ctx.dropout = ring, dropout
         ctx.save_for_backward(q, k, v, out, lse_acc)
         return out
 
@@ -108,16 +122,17 @@ class _RingAttention(torch.autograd.Function):
             if dkv is None:
                 dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
             blocks = ring_blocks(step, ring.rank, chunk)
-            backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, dq, dkv[0], dkv[1])
+            drop = _step_dropout(ctx.dropout, ring, step, q.shape[2], q.device)
+            backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, dq, dkv[0], dkv[1], drop)
             sending = dkv  # referenced until the wait that ends its message (next step, or after the loop)
             dkv, dkv_works = ring.shift(sending)  # on with its pair; after the last step, home
             if kv_works:
                 _wait(kv_works)
                 kv = nxt
         _wait(dkv_works)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
+def ring_attention(q, k, v, ring: Ring, dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
     """Causal attention of this rank's head-tail chunks over the whole sequence (q [b, h, 2c, d], k, v [b, hkv, 2c, d])."""
-    return _RingAttention.apply(q, k, v, ring)
+    return _RingAttention.apply(q, k, v, ring, dropout)
