@@ -18,6 +18,7 @@ import torch
 from badinput import assert_refused
 from harness import BASE_FLAGS, assert_equivalent, run_script, with_flag
 
+from tricorn.attention_kernels import EFFICIENT, FLASH, AttentionCall, cp_block_call, cuda_sdpa_kernel
 from tricorn.config import config_from_args
 from tricorn.parallel.context import COMM_TYPES, local_positions
 from tricorn.planning.activations import layout_layer_bytes
@@ -93,3 +94,22 @@ def test_bad_cp_input_is_one_line(tmp_path, monkeypatch, extra, world, needle):
     for flag, value in zip(extra[::2], extra[1::2]):
         argv = with_flag(argv, flag, value)
     assert_refused(argv, tmp_path, needle=needle)
+
+
+def _block(dtype, heads=(8, 2), s=(128, 256), d=64, causal=False) -> AttentionCall:
+    shapes = ((2, heads[0], s[0], d), (2, heads[1], s[1], d), (2, heads[1], s[1], d))
+    return AttentionCall(*shapes, (dtype,) * 3, (1, 1, 1), (0, 0, 0), is_causal=causal, enable_gqa=heads[0] != heads[1])
+
+
+@pytest.mark.parametrize(
+    "call, kernel",
+    [
+        (_block(torch.bfloat16), FLASH),  # a ring step's unmasked block, GQA native
+        (_block(torch.bfloat16, s=(128, 128), causal=True), FLASH),  # step 0: square causal
+        (_block(torch.float32), EFFICIENT),  # fp32: the efficient op on k, v repeated to q's heads
+        (_block(torch.bfloat16, d=512), EFFICIENT),  # head dim over flash's 256
+    ],
+)
+def test_cuda_block_calls_are_fused(call, kernel):
+    """The call blocks.py makes on CUDA for one CP block (attention_kernels.cp_block_call) runs a fused kernel."""
+    assert cuda_sdpa_kernel(cp_block_call(call)) == kernel

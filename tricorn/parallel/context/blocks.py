@@ -6,8 +6,9 @@ log-sum-exp (lse) of the scores:
 
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (any float dtype, GQA native; its lse is laid
   out [B, S, H], so it is made contiguous before the backward, which reads it as [B, H, S]).
-- CUDA, fp16/bf16: ``aten._scaled_dot_product_flash_attention`` (GQA native; no mask; causal only on square
-  blocks, which is all the schedules here ask of it). Other dtypes: ``aten._scaled_dot_product_efficient_attention``
+- CUDA: ``aten._scaled_dot_product_flash_attention`` where flash takes the block (attention_kernels.flash_refusal:
+  fp16/bf16, head dim <= 256, sm80+; GQA native; no mask; causal only on square blocks, which is all the
+  schedules here ask of it). Otherwise ``aten._scaled_dot_product_efficient_attention``
   (its lse is padded to a multiple of 32 rows; it takes no GQA in torch 2.13, so k, v are repeated to q's heads
   for the call only - never before a message is sent). The CUDA branch follows the ops' schemas and torch's own
   ring attention (torch/distributed/tensor/experimental/_context_parallel); no GPU was lent to run it here.
@@ -28,16 +29,17 @@ No collectives; memory: the block call's output and lse, plus the caller's fp32 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from tricorn.attention_kernels import AttentionCall, flash_refusal
 from tricorn.model.dropout import AttentionDropout
 from tricorn.model.lean import at_least_fp32
 
 _aten = torch.ops.aten
-HALF = (torch.float16, torch.bfloat16)
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -54,11 +56,22 @@ def _fold_heads(g: torch.Tensor, heads: int) -> torch.Tensor:
     return g if h == heads else g.view(b, heads, h // heads, s, d).sum(2)
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
+    """Whether the flash op accepts this block on this GPU (attention_kernels.py's rules; the efficient op otherwise)."""
+    call = AttentionCall.of(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+    return flash_refusal(call, _capability(q.device)) is None
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, h, sq, d] in q's dtype, lse [b, h, sq] fp32 or wider). q [b, h, sq, d]; k, v [b, hkv, sk, d]."""
     if q.device.type != "cuda":
         return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)  # lse viewed [B, H, S]
-    if q.dtype in HALF:
+    if _flash_takes(q, k, v, causal):
         out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
         return out, lse
     heads = q.shape[1]
@@ -82,7 +95,7 @@ def block_backward(
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
     sq, sk = q.shape[2], k.shape[2]
     none = torch.empty(0, device=q.device, dtype=torch.int64)
-    if q.dtype in HALF:
+    if _flash_takes(q, k, v, causal):
         # Dense inputs: no cumulative sequence lengths; dropout 0: the rng state is never read.
         return _aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse, none, none, sq, sk, 0.0, causal, none, none
