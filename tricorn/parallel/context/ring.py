@@ -13,12 +13,12 @@ Every rank does the same work per step. Partial results merge through the lse (b
 
 Collectives (all over the CP group, ring order r -> r+1): forward CP-1 messages of the K/V pair
 (2 x b x hkv x 2c x d elements each, at k's head count: GQA never repeats K/V); backward CP-1 messages of K/V
-again plus CP messages of the fp32 dK/dV accumulator, which travels the ring with the pair it belongs to and
-the last message brings it home. Each step's next message is posted (batch_isend_irecv) before the step's
+again plus CP-1 messages of the fp32 dK/dV accumulator, which starts on the rank after the pair's home, travels
+the ring with the pair it belongs to and whose last message brings it home (to the home's own block's part). Each step's next message is posted (batch_isend_irecv) before the step's
 attention, so communication overlaps compute (on NCCL the messages run on NCCL's stream; on gloo they are
 async ops). Memory: at most two K/V pairs in flight (the one in use and the one arriving), the fp32 output
-and lse accumulators of the local rows; backward adds the fp32 dq accumulator and two fp32 dK/dV pairs
-(the one being added to and the one arriving). Saved for backward: q, k, v, the output and the lse -
+and lse accumulators of the local rows; backward adds the fp32 dq accumulator and three fp32 dK/dV pairs
+(the home's own part, the accumulator being added to and the one arriving). Saved for backward: q, k, v, the output and the lse -
 the same as one flash call on the local rows. No [s, s] or [s/CP, s] tensor is ever made. Attention dropout
 runs each step's block as explicit math with the keyed masks of its global positions (blocks.py).
 """
@@ -112,24 +112,31 @@ class _RingAttention(torch.autograd.Function):
         acc = accumulator_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
-        dkv: Optional[torch.Tensor] = None  # the accumulator of the pair now here: arrived, or made at step 0
+        # Step 0's block (this rank's own K/V) is kept here; the accumulator of every other pair starts on the
+        # rank after its home and travels on with it: CP-1 messages bring each home, the least a ring can.
+        own = torch.zeros(kv.shape, dtype=acc, device=q.device)
+        dkv: Optional[torch.Tensor] = None  # the travelling accumulator of the pair now here
         dkv_works: list = []
         for step in range(ring.size):
             kv_works: list = []
             if step + 1 < ring.size:
                 nxt, kv_works = ring.shift(kv)
             _wait(dkv_works)
-            if dkv is None:
-                dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+            if step == 0:
+                target = own
+            else:
+                target = dkv if step > 1 else torch.zeros(kv.shape, dtype=acc, device=q.device)
             blocks = ring_blocks(step, ring.rank, chunk)
             drop = _step_dropout(ctx.dropout, ring, step, q.shape[2], q.device)
-            backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, dq, dkv[0], dkv[1], drop)
-            sending = dkv  # referenced until the wait that ends its message (next step, or after the loop)
-            dkv, dkv_works = ring.shift(sending)  # on with its pair; after the last step, home
+            backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, dq, target[0], target[1], drop)
+            if step > 0:
+                sending = target  # referenced until the wait that ends its message (next step, or after the loop)
+                dkv, dkv_works = ring.shift(sending)  # on with its pair; after the last step, home
             if kv_works:
                 _wait(kv_works)
                 kv = nxt
         _wait(dkv_works)
+        dkv = own if dkv is None else own.add_(dkv)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
