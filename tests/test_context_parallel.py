@@ -113,3 +113,16 @@ def _block(dtype, heads=(8, 2), s=(128, 256), d=64, causal=False) -> AttentionCa
 def test_cuda_block_calls_are_fused(call, kernel):
     """The call blocks.py makes on CUDA for one CP block (attention_kernels.cp_block_call) runs a fused kernel."""
     assert cuda_sdpa_kernel(cp_block_call(call)) == kernel
+
+
+def test_planner_considers_cp_from_16k_with_each_comm_type():
+    from tricorn.config import ModelConfig
+    from tricorn.planning.planner import cp_comm_types, valid_cps
+    from tricorn.presets import PRESETS
+
+    model = ModelConfig(**{**PRESETS["llama3-8b"], "seq_length": 8192})
+    assert valid_cps(model) == [1]
+    model = ModelConfig(**{**PRESETS["llama3-8b"], "seq_length": 16384, "max_position_embeddings": 16384})
+    assert 8 in valid_cps(model)
+    assert cp_comm_types(model, tp=2, cp=8) == COMM_TYPES  # 16 query heads per TP rank divide over CP 8
+    assert cp_comm_types(model, tp=8, cp=8) == ("p2p", "allgather")  # 4 per TP rank do not: no a2a
