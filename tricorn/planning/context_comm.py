@@ -26,13 +26,11 @@ tensor it moves, in backward for dq, dk and dv at once. No collectives, no devic
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from tricorn.config import ModelConfig, ParallelConfig
+from tricorn.config import CP_COMM_TYPES, ModelConfig  # noqa: F401 - re-exported for the planner
 from tricorn.planning.activations import activation_element_bytes
 from tricorn.planning.layout import Layout
-
-CP_COMM_TYPES: tuple[str, ...] = tuple(next(f for f in fields(ParallelConfig) if f.name == "cp_comm_type").metadata["choices"])
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from tricorn.config import CP_COMM_TYPES
 from tricorn.model.dropout import AttentionDropout
 from tricorn.model.spec import LayerSpec
 from tricorn.parallel.context.allgather import allgather_attention
@@ -33,7 +34,7 @@ from tricorn.parallel.context.layout import local_positions, slice_batch
 from tricorn.parallel.context.ring import Ring, ring_attention
 from tricorn.parallel.context.ulysses import ulysses_attention
 
-COMM_TYPES = ("p2p", "a2a", "allgather")
+COMM_TYPES = CP_COMM_TYPES
 # The comm types that draw the keyed attention-dropout masks (validation names them).
 DROPOUT_COMM_TYPES = ("a2a", "allgather")
 
