@@ -27,6 +27,9 @@ Theoretical minimum per layout:
                                states; row "ep+routing": also the routing weights riding along (E/EP
                                fp32 per row, and their gradients), the [EP, 1 + E/EP] count exchange
                                and the grad norm's scalar all-reduce.
+    CP (attention, per layer   --cp-comm-type's minimum (tricorn/planning/context_comm.py): p2p and
+    and microbatch)            allgather 2(CP-1)N forward and 4(CP-1)N backward elements (N = b s/CP h_kv d;
+                               the ring's isends counted as sent), a2a (CP-1)/CP (2Q + 2N) each way
 
 The data-parallel rows sum the DP and DP x CP groups (the trainer's token-count
 and loss scalars ride on them too). Goal: ratio 1.00.
@@ -61,6 +64,9 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "DP=4 ZeRO-3": (4, ["--zero-stage", "3"]),
     "TP=2": (2, ["--tensor-model-parallel-size", "2"]),
     "TP=2 SP": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "CP=2 p2p": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
+    "CP=2 a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+    "CP=2 allgather": (2, ["--context-parallel-size", "2", "--cp-comm-type", "allgather"]),
     "DP=4 EP=4 MoE 8 experts top-2": (
         4,
         "--num-experts 8 --moe-router-topk 2 --disable-bias-linear --expert-model-parallel-size 4".split(),
@@ -98,6 +104,22 @@ class Counter:
             original = getattr(dist, fn_name)
             self.originals[fn_name] = original
             setattr(dist, fn_name, self._wrap(original, kind, group_at))
+        self.originals["batch_isend_irecv"] = original = dist.batch_isend_irecv
+        dist.batch_isend_irecv = self._point_to_point(original)
+
+    def _point_to_point(self, original):
+        """batch_isend_irecv (CP's ring): the bytes each isend sends, on its group."""
+        import torch.distributed as dist
+
+        def counted(ops):
+            for op in ops:
+                if op.op is dist.isend:
+                    name = self.names.get(id(op.group if op.group is not None else dist.group.WORLD), "other")
+                    self.calls[name] = self.calls.get(name, 0) + 1
+                    self.bus_bytes[name] = self.bus_bytes.get(name, 0.0) + op.tensor.numel() * op.tensor.element_size()
+            return original(ops)
+
+        return counted
 
     def uninstall(self) -> None:
         import torch.distributed as dist
@@ -146,6 +168,8 @@ class Counter:
         name = self.names.get(id(group if group is not None else dist.group.WORLD), "other")
         if name == "ep":  # the grad norm's scalar sum over the experts' ranks
             name = "ep_routing"
+        if name == "cp" and kind == "all_reduce":  # at DP 1 the DP x CP group is the CP group: CP attention never all-reduces
+            name = "dp_cp"
         self.calls[name] = self.calls.get(name, 0) + 1
         self.bus_bytes[name] = self.bus_bytes.get(name, 0.0) + RING[kind] * (p - 1) / p * payload
 
@@ -187,6 +211,12 @@ def theory(cfg, state, optimizer, ep_minimum: float = 0.0) -> dict[str, float]:
                 out["dp"] = out.get("dp", 0.0) + 2 * (size - 1) / size * grad_volume
     if ep_minimum:  # dispatch and combine, forward and backward (the gradients of the same rows go back)
         out["ep"] = out["ep+routing"] = 4 * ep_minimum
+    if state.cp_size > 1:  # CP attention per layer and microbatch (tricorn/planning/context_comm.py's minimum)
+        from tricorn.planning.context_comm import cp_traffic
+        from tricorn.planning.layout import Layout
+
+        traffic = cp_traffic(cfg.model, Layout.from_config(cfg))
+        out["cp"] = traffic.minimum_bytes(param_bytes) * cfg.model.num_layers * cfg.num_microbatches
     t = state.tp_size
     if t > 1:
         m, tr = cfg.model, cfg.training
@@ -258,7 +288,13 @@ def run_layout(layout: str) -> dict:
 def summarize(layout: str, result: dict) -> list[dict]:
     """One row per parallel dimension: the busiest rank's bytes beside the minimum."""
     rows = []
-    groups = {"dp": ("dp", "dp_cp", "expert_dp"), "tp": ("tp", "mp"), "ep": ("ep",), "ep+routing": ("ep", "ep_routing")}
+    groups = {
+        "dp": ("dp", "dp_cp", "expert_dp"),
+        "tp": ("tp", "mp"),
+        "cp": ("cp",),
+        "ep": ("ep",),
+        "ep+routing": ("ep", "ep_routing"),
+    }
     for row, minimum in result["theory"].items():
         if row.startswith("ep"):  # routing differs per rank: the whole group's bytes against the whole group's minimum
             moved = sum(r["bus_bytes"].get(g, 0.0) for r in result["ranks"] for g in groups[row])

@@ -86,10 +86,10 @@ def test_no_host_wait_in_iterations_that_do_not_log(results, name):
             assert i["copies"] and all(c.startswith("non-blocking host-to-device copy from pinned") for c in i["copies"])
 
 
-def test_cp_with_gqa_runs_the_efficient_kernel(results):
-    """context.py repeats k, v to the query heads: the masked call is the efficient kernel's, not math's."""
+def test_cp_with_gqa_runs_flash(results):
+    """parallel/context/ ring attention: every block is an unmasked or square causal call at k's head count, flash's."""
     kernels = {k for r in results["cp2-gqa"]["ranks"] for i in r["iterations"] for k in i["kernels"]}
-    assert kernels == {EFFICIENT}, kernels
+    assert kernels == {FLASH}, kernels
 
 
 # ---------------------------------------------------------------- each kind of violation, put back, is caught

@@ -41,6 +41,8 @@ Not modelled: nested tensors, ROCm, FA3 (fp8), runtime-disabled backends (sdpa_k
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -210,6 +212,33 @@ def fused_refusals(c: AttentionCall, cap: tuple[int, int] = (9, 0)) -> dict[str,
     return {FLASH: flash_refusal(c, cap), EFFICIENT: efficient_refusal(c, cap)}
 
 
+def cp_block_call(c: AttentionCall, cap: tuple[int, int] = (9, 0)) -> AttentionCall:
+    """The call tricorn/parallel/context/blocks.py makes on CUDA for one block of CP attention, given the block's
+    q, k, v (``c``, GQA as enable_gqa): ``aten._scaled_dot_product_flash_attention`` as is (GQA native) when
+    flash takes it, else ``aten._scaled_dot_product_efficient_attention`` on k, v repeated to q's heads (fresh,
+    contiguous tensors). Either op runs its own kernel or fails - neither falls back to math - so
+    ``cuda_sdpa_kernel`` of the result names the kernel that runs (or math: the op would refuse)."""
+    if flash_refusal(c, cap) is None:
+        return c
+    b, heads = c.q[0], c.q[1]
+    return dataclasses.replace(
+        c,
+        k=(b, heads, *c.k[2:]),
+        v=(b, heads, *c.v[2:]),
+        last_strides=(c.last_strides[0], 1, 1),
+        offset_bytes=(c.offset_bytes[0], 0, 0),
+        enable_gqa=False,
+    )
+
+
+# The CPU op CP blocks run (tricorn/parallel/context/blocks.py): tricorn.host_reads records each call as the call
+# ``cp_block_call`` says blocks.py makes on CUDA.
+CP_CPU_BLOCK_OPS = (
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+)
+
+
 def math_fallback_warning(cfg, cap: tuple[int, int] = (9, 0)) -> Optional[str]:
     """One line when this config's attention can only run torch's math kernel on a CUDA device of compute
     capability `cap`, naming its memory (the caller asks only for CUDA runs)."""
@@ -220,21 +249,16 @@ def math_fallback_warning(cfg, cap: tuple[int, int] = (9, 0)) -> Optional[str]:
     heads, kv = m.num_attention_heads // tp, max(m.kv_heads // tp, 1)
     dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
     b, s, d = t.micro_batch_size, m.seq_length, m.head_dim
-    if cp > 1:  # parallel/context.py: k, v expanded to q's heads, a boolean causal mask by global position
-        call = AttentionCall(
-            (b, heads, s // cp, d), (b, heads, s, d), (b, heads, s, d), (dtype,) * 3, (1, 1, 1), (0, 0, 0), mask=(s // cp, s)
-        )
-    else:  # model/spec.py sdpa_causal
-        call = AttentionCall(
-            (b, heads, s, d),
-            (b, kv, s, d),
-            (b, kv, s, d),
-            (dtype,) * 3,
-            (1, 1, 1),
-            (0, 0, 0),
-            is_causal=True,
-            enable_gqa=kv != heads,
-        )
+    if cp > 1 and p.cp_comm_type == "a2a":  # parallel/context/ulysses.py: the full sequence on heads / CP
+        groups = max(kv * (cp // math.gcd(kv, cp)) // cp, 1)
+        heads, kv = heads // cp, groups
+    elif cp > 1:  # parallel/context/blocks.py: one block per call, s/CP rows (causal on square blocks)
+        s = s // cp
+    call = AttentionCall(
+        (b, heads, s, d), (b, kv, s, d), (b, kv, s, d), (dtype,) * 3, (1, 1, 1), (0, 0, 0), is_causal=True, enable_gqa=kv != heads
+    )
+    if cp > 1 and p.cp_comm_type != "a2a":
+        call = cp_block_call(call, cap)
     if cuda_sdpa_kernel(call, cap) != MATH:
         return None
     refusal = fused_refusals(call, cap)

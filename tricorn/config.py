@@ -143,11 +143,19 @@ class ModelConfig:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
 
+CP_COMM_TYPES = ("p2p", "a2a", "allgather")  # --cp-comm-type: tricorn/parallel/context/ has one module each
+
+
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = _f(1, "TP: ranks that split each layer's matrices (keep within a node).", bound=AT_LEAST_1)
     pipeline_model_parallel_size: int = _f(1, "PP: pipeline stages.", bound=AT_LEAST_1)
     context_parallel_size: int = _f(1, "CP: ranks that split the sequence of each sample.", bound=AT_LEAST_1)
+    cp_comm_type: str = _f(
+        "p2p",
+        "How CP attention meets the other chunks: a K/V ring, all-to-all over heads, or all-gathered K/V.",
+        choices=list(CP_COMM_TYPES),
+    )
     sequence_parallel: bool = _f(False, "Shard norms/dropout activations along the sequence over TP.")
     expert_model_parallel_size: int = _f(1, "EP: ranks of DP x CP that split each MoE layer's experts.", bound=AT_LEAST_1)
     expert_tensor_parallel_size: int = _f(

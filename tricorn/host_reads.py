@@ -13,7 +13,8 @@ One counter, four records (each entry names the operator and its caller, file:li
   loader's host-side work (tricorn.pinned.host_side), host tensors of more than 0 dimensions meeting device
   tensors in an operator (an error on CUDA), host tensors in a collective (NCCL takes device tensors only).
 - ``attention``: every ``scaled_dot_product_attention`` call as a tricorn.attention_kernels.AttentionCall, whose
-  CUDA kernel ``cuda_sdpa_kernel`` tells.
+  CUDA kernel ``cuda_sdpa_kernel`` tells, and every context-parallel block's CPU kernel call as the CUDA call
+  blocks.py makes for it (attention_kernels.cp_block_call).
 
 On a GPU (``device`` cuda) host memory is what is on the CPU. On a CPU run the host cannot be told from the
 device by the tensors, so the counter keeps a registry of host storages (tricorn.pinned): what the data loader
@@ -53,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tricorn import pinned
-from tricorn.attention_kernels import FUSED, AttentionCall, cuda_sdpa_kernel, fused_refusals
+from tricorn.attention_kernels import CP_CPU_BLOCK_OPS, FUSED, AttentionCall, cp_block_call, cuda_sdpa_kernel, fused_refusals
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _COPY = torch.ops.aten.copy_.default
@@ -150,6 +151,10 @@ class _Function(TorchFunctionMode):
             o.attention.append(
                 AttentionCall.of(b["query"], b["key"], b["value"], **{k: b[k] for k in keys if k in b}, where=_caller())
             )
+        elif func in CP_CPU_BLOCK_OPS:  # a context-parallel block (parallel/context/blocks.py): its CUDA call
+            q, k, v, causal = args[0], args[1], args[2], args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+            call = AttentionCall.of(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1], where=_caller())
+            o.attention.append(cp_block_call(call))
         elif func in _device_constructors():
             return o.created(func, args, kwargs)
         elif method and name in ("to", "cuda", "cpu"):

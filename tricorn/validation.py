@@ -57,7 +57,15 @@ def validate(cfg: Config) -> list[str]:
     if p.sequence_parallel and m.seq_length % (tp * cp) != 0:
         errs.append(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by TP x CP = {tp * cp}")
     if cp > 1 and m.seq_length % (2 * cp) != 0:
-        errs.append(f"--context-parallel-size {cp} needs --seq-length {m.seq_length} divisible by 2 x CP = {2 * cp}")
+        errs.append(
+            f"--context-parallel-size {cp} needs --seq-length {m.seq_length} divisible by 2 x CP = {2 * cp} (each rank keeps "
+            f"2 of 2 x CP chunks); use --seq-length {-(-m.seq_length // (2 * cp)) * 2 * cp}"
+        )
+    if cp > 1 and p.cp_comm_type == "a2a" and m.num_attention_heads % tp == 0 and (m.num_attention_heads // tp) % cp != 0:
+        errs.append(
+            f"--cp-comm-type a2a needs the query heads per TP rank ({m.num_attention_heads} / TP {tp} = "
+            f"{m.num_attention_heads // tp}) divisible by --context-parallel-size {cp}; use --cp-comm-type p2p or allgather"
+        )
     world_ok = cfg.world_size % (tp * pp * cp) == 0
     if not world_ok:
         errs.append(

@@ -1,38 +1,56 @@
-"""Worker: context-parallel attention equals torch's causal SDPA on the whole sequence, forward and backward.
+"""Worker: every CP comm type's attention equals torch's causal SDPA on the whole sequence, forward and backward.
 
-Each rank holds its two load-balanced chunks of q, k, v (GQA: 2 key/value heads for 4 query heads);
-its output and its q, k, v gradients must equal the single-device ones at its positions. Float64
-throughout (gloo all-gathers and reduce-scatters float64), so the comparison does not depend on the
-CPU's summation order: see REL. Prints "ok" on success.
+Each rank holds its two load-balanced chunks of q, k, v (MHA: 4 key/value heads; GQA: 2 for 4 query heads);
+its output and its q, k, v gradients must equal the single-device ones at its positions, for p2p (ring), a2a
+(Ulysses) and allgather. Float64 throughout (gloo sends, all-to-alls, gathers and reduce-scatters float64), so
+the comparison does not depend on the CPU's summation order: see REL.
+
+While each comm type runs forward and backward, a dispatch mode records the largest storage any operator
+returns: it must stay below s_local x s_global elements (no [s/CP, s] mask or score tensor). The old masked
+all-gather call is run under the same mode as a control, which must trip it.
+
+Each also runs with attention dropout (GQA): equal to the single-process keyed-mask attention.
+Prints one JSON line {"ok": true, "largest": {...}} on rank 0.
 """
+
+import json
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from tricorn.model.dropout import ATTENTION_PROBS, AttentionDropout, DropoutKey
 from tricorn.model.spec import sdpa_causal
-from tricorn.parallel.context import context_parallel_attention, local_positions
+from tricorn.parallel.context import COMM_TYPES, context_parallel_attention, local_positions
 
 dist.init_process_group("gloo")
 group = dist.group.WORLD
 rank, world = dist.get_rank(), dist.get_world_size()
-torch.manual_seed(0)  # the same full tensors on every rank
-# Each value is a softmax-weighted sum over <= 32 keys of d=8 products of O(1) randn terms; reordering
-# (the gathered key order, the masked vs causal kernel) errs by <= N * 1.1e-16 * sum|terms| ~ 1e-13 of
-# the largest value. 1e-10 of it leaves 1000x room on any CPU; a wrong mask or chunk is O(1) off.
-REL = 1e-10
+# Each value is a softmax-weighted sum over <= 256 keys of d=4 products of O(1) randn terms, merged over <= 2 CP
+# blocks through exp/logaddexp; reordering errs by <= ~N * 1.1e-16 * sum|terms| ~ 1e-13 of the largest value in
+# the worst case (~1e-15 typical). 1e-12 leaves 10x room on any CPU; a wrong block, mask or merge is O(1) off.
+REL = 1e-12
 
-b, heads, groups, s, d = 2, 4, 2, 32, 8
-q_full = torch.randn(b, heads, s, d, dtype=torch.float64, requires_grad=True)
-k_full = torch.randn(b, groups, s, d, dtype=torch.float64, requires_grad=True)
-v_full = torch.randn(b, groups, s, d, dtype=torch.float64, requires_grad=True)
-grad_full = torch.randn(b, heads, s, d, dtype=torch.float64)
-ref = sdpa_causal(q_full, k_full, v_full, None)  # no dropout
-ref.backward(grad_full)
+b, heads, s, d = 2, 4, 256, 4  # d small: the linear tensors (full K/V: b x h x s x d) stay below s_local x s
+s_local = s // world
+SQUARED = s_local * s  # the [s/CP, s] mask of the old form has exactly this many elements
 
-idx = local_positions(s, rank, world)
-q, k, v = (t.detach()[:, :, idx].clone().requires_grad_() for t in (q_full, k_full, v_full))
-out = context_parallel_attention(group, s // world)(q, k, v, None)  # no dropout
-out.backward(grad_full[:, :, idx])
+
+class LargestStorage(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = (0, "")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                n = t.untyped_storage().nbytes() // t.element_size()
+                if n > self.largest[0]:
+                    self.largest = (n, str(func))
+        return out
 
 
 def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -41,10 +59,56 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=REL, atol=REL * scale, msg=lambda m: f"rank {rank} {name}: {m}")
 
 
-check("output", out, ref[:, :, idx])
-check("q grad", q.grad, q_full.grad[:, :, idx])
-check("k grad (reduce-scattered over CP)", k.grad, k_full.grad[:, :, idx])
-check("v grad (reduce-scattered over CP)", v.grad, v_full.grad[:, :, idx])
+def run(comm_type: str, groups: int, dropout_p: float) -> int:
+    torch.manual_seed(groups)  # the same full tensors on every rank
+    # [s, b, heads, d] tensors seen as [b, heads, s, d], as the decoder passes them
+    q_full, k_full, v_full = (
+        torch.randn(s, b, n, d, dtype=torch.float64).permute(1, 2, 0, 3).requires_grad_() for n in (heads, groups, groups)
+    )
+    grad_full = torch.randn(b, heads, s, d, dtype=torch.float64)
+    dropout = None
+    if dropout_p:
+        dropout = AttentionDropout(dropout_p, DropoutKey(7, (3, 5), 1, ATTENTION_PROBS, s), head_offset=0)
+    ref = sdpa_causal(q_full, k_full, v_full, dropout)
+    ref.backward(grad_full)
+
+    idx = local_positions(s, rank, world)
+    q, k, v = (
+        t.detach()[:, :, idx].permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3).requires_grad_()
+        for t in (q_full, k_full, v_full)
+    )
+    core = context_parallel_attention(group, comm_type)
+    mode = LargestStorage()
+    with mode:
+        out = core(q, k, v, dropout)
+        out.backward(grad_full[:, :, idx])
+    what = f"{comm_type} groups={groups} dropout={dropout_p}"
+    check(f"{what} output", out, ref[:, :, idx])
+    check(f"{what} q grad", q.grad, q_full.grad[:, :, idx])
+    check(f"{what} k grad", k.grad, k_full.grad[:, :, idx])
+    check(f"{what} v grad", v.grad, v_full.grad[:, :, idx])
+    if not dropout_p:  # dropout's explicit form keeps [s/CP, s] probabilities by design (dropout.py)
+        assert mode.largest[0] < SQUARED, f"rank {rank} {what}: {mode.largest} >= s_local x s = {SQUARED}"
+    return mode.largest[0]
+
+
+largest = {}
+for comm_type in COMM_TYPES:
+    for groups in (heads, 2):  # MHA, GQA
+        largest[f"{comm_type}/{groups}"] = run(comm_type, groups, 0.0)
+for comm_type in COMM_TYPES:
+    run(comm_type, 2, 0.25)
+
+# The control: the old all-gather call with its [s/CP, s] boolean mask trips the same mode.
+control = LargestStorage()
+with control:
+    qc = torch.randn(b, heads, s_local, d, dtype=torch.float64)
+    kc = torch.randn(b, heads, s, d, dtype=torch.float64)
+    pos = local_positions(s, rank, world)
+    F.scaled_dot_product_attention(qc, kc, kc, attn_mask=torch.arange(s).unsqueeze(0) <= pos.unsqueeze(1))
+assert control.largest[0] >= SQUARED, control.largest
+
 dist.barrier()  # exit together: a rank leaving mid-collective aborts gloo on its peers
 dist.destroy_process_group()
-print("ok")
+if rank == 0:
+    print(json.dumps({"ok": True, "largest": largest, "squared": SQUARED}))

@@ -78,14 +78,15 @@ for sp in (False, True):
 
 heads, groups, d = 4, 2, 8
 q, k, v = (torch.randn(s, b, n, d).permute(1, 2, 0, 3) for n in (heads, groups, groups))
-with COUNTER:  # forward only: torch's CPU attention kernel writes the k and v gradients batch-major, so
-    # on the CPU the backward's reduce-scatter transposes them (CUDA's flash kernel keeps k's layout)
-    context_parallel_attention(group, s)(q, k, v, None)
-# The all-gather copies nothing. With GQA the gathered k and v are then repeated to the query heads (one copy
-# each, [b, heads, s, d]): the price of a flash/efficient-eligible call on CUDA (parallel/context.py), paid
-# until ring attention (issue 29) replaces the gathered call.
-repeat = f"aten.clone.default [((2, {groups}, {heads // groups}, {s * world}, {d}),"  # gathered: s x CP rows
-assert len(COUNTER.copies) == 2 and all(c.startswith(repeat) for c in COUNTER.copies), f"rank {rank} cp: {COUNTER.copies}"
+with COUNTER:  # forward only: torch's CPU attention kernel writes the k and v gradients batch-major
+    context_parallel_attention(group)(q, k, v, None)
+# The ring (the default comm type) copies no q, k or v: per step it folds the block's [b, heads, s] log-sum-exp
+# (its rows: all s, or the second chunk's s/2) into its fp32 accumulator (one copy_), and once casts the merged
+# output into q's layout (one copy_).
+lse = (f"aten.copy_.default [(({b}, {heads}, {s}),", f"aten.copy_.default [(({b}, {heads}, {s // 2}),")
+output = f"aten.copy_.default [(({b}, {heads}, {s}, {d}), {q.stride()}),"
+assert len(COUNTER.copies) == world + 1, f"rank {rank} cp: {COUNTER.copies}"
+assert all(c.startswith(lse) for c in COUNTER.copies[:-1]) and COUNTER.copies[-1].startswith(output), COUNTER.copies
 dist.barrier()  # exit together: a rank leaving mid-collective aborts gloo on its peers
 dist.destroy_process_group()
 if rank == 0:

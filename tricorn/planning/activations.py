@@ -20,9 +20,9 @@ in the compute dtype, and sharded over the sequence (SP) or the tensor dimension
     attention_output  e / t                           SDPA's output is the out projection's input
     attention_core    4a / (h t)                      flash / memory-efficient SDPA: fp32 log-sum-exp per head and
                                                       token; no s x s tensor is stored
-    (CP over c ranks) qkv: e(1 + 2c) / t             q (RoPE'd) and the all-gathered K and V (repeated to the a query
-                      attention_core + e c s / h      heads) instead of the local k and v; the [s, c s] mask, cast to the activation dtype, on
-                                                      every TP rank
+    (CP over c ranks)                                 per --cp-comm-type (``cp_attention_bytes``): p2p as above; allgather
+                                                      the whole sequence's k, v (2e c r / t) instead of the local ones;
+                                                      a2a k, v times the K/V replication, plus its head-sharded output
     mlp               3e f/(h t) SwiGLU               gate|up (2f, lean.swiglu) and its output (f, w2's input)
                       2e f/(h t) GeLU                 w1 output, gelu output
     rope_tables       2esd in all: the cos and sin rows (compute dtype), not per sample, not split by TP
@@ -42,7 +42,7 @@ Without SP the norm terms and linear inputs are not divided by t.
     (4 [fp32 softmax] + 1 [bool mask] + e [dropped probs]) * a s / (h t), and the [s, s_k] causal mask
     (s * s_k bytes in all). KORTHIKANTI's math attention keeps (e + 1 + e) a s / (h t): 5as/h in fp16.
     The attention core always gets the causal flag, never a mask, so SDPA's flash path applies; context
-    parallelism passes an explicit [s, s*cp] bool mask (s^2 cp bytes per layer call, transient).
+    parallelism never builds a mask either (its p2p and allgather dropout keep no s x s tensor).
 
 Variants. TP divides everything inside the TP region (QKV ... MLP); SP also divides the norm terms, the
 linear inputs and the dropout masks (they act on the sequence shard). Selective recompute
@@ -211,6 +211,7 @@ def layer_activation_terms(
     profile: ActivationProfile = TRICORN,
     device: str = "cuda",
     cp: int = 1,
+    cp_comm_type: str = "p2p",
     etp: int = 1,
     compiled: bool = False,
 ) -> LayerActivationTerms:
@@ -233,11 +234,10 @@ def layer_activation_terms(
     copies = profile.attention_output_copies - (1 if "core_attn" in selective else 0)
     if "core_attn" in selective:
         core = 0.0
+    elif cp > 1 and profile.flash:
+        qkv, core = cp_attention_bytes(model, cp_comm_type, s, b, e, cp, tp)
     elif profile.uses_flash(model.attention_dropout):
         core = 4.0 * a * s * b
-        if cp > 1:  # SDPA keeps the all-gathered K and V (repeated to a heads: context.py) and its [s, cp s] mask
-            qkv = e * s * b * h + 2 * e * cp * s * b * h
-            core += e * s * cp * s * tp  # in the activation dtype, whole on every TP rank (/ t below)
     elif profile.flash:  # our explicit attention with layout-independent dropout (tricorn/model/dropout.py)
         qkv = (1 + 2 * cp) * e * sbh  # q, and the (all-gathered under CP) k, v expanded to a heads: fresh copies
         # fp32 softmax output, bool keep mask, dropped probabilities over the cp*s keys; the causal mask
@@ -266,6 +266,32 @@ def layer_activation_terms(
         mlp=0.0 if "mlp" in selective else mlp_activation_bytes(model, e, s * b, tp, "mlp_act" in selective, sp_div, etp),
         rng_state=rng_state,
     )
+
+
+def cp_attention_bytes(model: ModelConfig, comm_type: str, s: int, b: int, e: float, cp: int, tp: int) -> tuple[float, float]:
+    """(qkv, attention_core) bytes of one layer's attention under CP over ``cp`` ranks, before the /t of TP
+    (s: the rank's tokens; tricorn/parallel/context/). The fp32 lse is 4 bytes per query head and token in all.
+
+    p2p        the local q, k, v, the output and lse - what one flash call keeps; with attention dropout the
+               same (its blocks recompute their probabilities from the lse in backward)
+    allgather  q, and the whole sequence's k and v (at the key/value head count) in sequence order; the int64
+               order they were put in (8 cp s bytes, on every TP rank); dropout as p2p
+    a2a        q, k, v over the whole sequence for a/cp heads (the same bytes as q; k and v times the replication
+               of key/value heads CP does not divide) and the head-sharded output besides the wo input; with
+               attention dropout the explicit full-sequence form of dropout.py on a/cp heads (q and k, v
+               expanded, the [cp s]^2 softmax, mask and dropped probabilities, the causal mask)
+    """
+    h, a, gd = model.hidden_size, model.num_attention_heads, model.kv_heads * model.head_dim
+    lse = 4.0 * a * s * b
+    if comm_type == "allgather":
+        return e * s * b * h + 2 * e * cp * s * b * gd, lse + 8 * cp * s * tp
+    if comm_type == "a2a":
+        if model.attention_dropout > 0:
+            seq = cp * s
+            return 3 * e * s * b * h, (4 + 1 + e) * a * s * seq * b + seq * seq
+        reps = cp // math.gcd(max(model.kv_heads // tp, 1), cp)
+        return e * s * b * (h + 2 * gd * reps), lse + e * s * b * h
+    return e * s * b * (h + 2 * gd), lse
 
 
 def mlp_activation_bytes(
@@ -369,6 +395,7 @@ def layout_layer_bytes(model: ModelConfig, layout: Layout, profile: ActivationPr
         precision=layout.precision,
         device=layout.device,
         cp=layout.cp,
+        cp_comm_type=layout.cp_comm_type,
         etp=layout.etp,
         compiled=layout.compiled,
     )

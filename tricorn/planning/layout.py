@@ -19,6 +19,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    cp_comm_type: str = "p2p"  # --cp-comm-type: what CP attention keeps and sends (planning/activations.py, comm.py)
     dp: int = 1
     vpp: int = 1
     micro_batch: int = 1
@@ -57,6 +58,7 @@ class Layout:
             tp=p.tensor_model_parallel_size,
             pp=p.pipeline_model_parallel_size,
             cp=p.context_parallel_size,
+            cp_comm_type=p.cp_comm_type,
             dp=cfg.data_parallel_size,
             vpp=cfg.virtual_stages,
             micro_batch=t.micro_batch_size,

@@ -47,6 +47,7 @@ from tricorn.planning.activations import (  # noqa: F401 - re-exported: the esti
     other_saved_bytes,
     stage_activation_bytes,
 )
+from tricorn.planning.context_comm import cp_transient_bytes
 from tricorn.planning.fp8_terms import fp8_terms
 from tricorn.planning.layout import Layout
 
@@ -443,7 +444,9 @@ def estimate(
         activations += fp8.activation_delta * n_layers * microbatches_in_flight(layout, stage)
         logits = embedding_logits_bytes(model, layout, stage, profile)
         # The stage's first MoE layer backward: its workspace, where the last stage's loss part is released.
-        activations += max(0.0, moe_backward_workspace(model, layout) - loss_part_bytes(model, layout, stage, profile))
+        # Likewise a layer's CP attention buffers in flight (context_comm.py: K/V pairs, fp32 accumulators).
+        workspace = max(moe_backward_workspace(model, layout), cp_transient_bytes(model, layout))
+        activations += max(0.0, workspace - loss_part_bytes(model, layout, stage, profile))
         buffers = _forward_peak_buffers(model, layout, stage, n_layers)
         backward = zero_backward_peak(model, layout, stage, n_layers, n_params, profile)
         if backward is not None and backward[0] + backward[1].total > activations + logits + buffers.total:

@@ -29,13 +29,14 @@ from typing import Optional
 
 from tricorn.config import ModelConfig
 from tricorn.planning import calibration
+from tricorn.planning.context_comm import CP_COMM_TYPES
 from tricorn.planning.flops import iteration_flops
 from tricorn.planning.hardware import GiB
 from tricorn.planning.layout import Layout
 from tricorn.planning.memory import estimate, total_params
 from tricorn.planning.step_time import Cluster, step_time
 
-CP_MIN_SEQ = 8192  # below this, CP's split attention costs more than its memory saving is worth
+CP_MIN_SEQ = 16384  # below this, CP's split attention costs more than its memory saving is worth
 CP_SIZES = (1, 2, 4, 8, 16, 32)
 MAX_VPP = 8
 # (granularity, modules), cheapest first. With flash attention the MLP holds most of a layer's activations.
@@ -161,29 +162,47 @@ def layout_groups(
         base = Layout(tp=tp, pp=pp, cp=cp, dp=dp, sequence_parallel=sequence_parallel(model, tp), precision=precision, ep=ep)
         base = dataclasses.replace(base, transformer_impl=impl, fp8_recipe=recipe)
         base = dataclasses.replace(base, first_stage_layers=split[0], last_stage_layers=split[1])
-        zeros = ((0, 1, 2, 3) if pp == 1 and ep == 1 else (0, 1)) if dp * cp > 1 else (0,)
-        vpps = [1] if split[0] is not None or pp == 1 else [v for v in divisors(model.num_layers // pp) if v <= MAX_VPP]
-        for vpp in vpps:
-            for recompute, modules in recomputes:
-                for zero in zeros:
-                    group = []
-                    for mb in divisors(global_batch // dp):
-                        m = global_batch // (mb * dp)
-                        if vpp > 1 and m % pp:
-                            continue
-                        group.append(
-                            dataclasses.replace(
-                                base,
-                                vpp=vpp,
-                                micro_batch=mb,
-                                num_microbatches=m,
-                                recompute=recompute,
-                                recompute_modules=modules,
-                                zero_stage=zero,
-                            )
+        for comm in cp_comm_types(model, tp, cp):
+            yield from _groups(
+                model, global_batch, dataclasses.replace(base, cp_comm_type=comm), pp, dp, cp, ep, split, recomputes
+            )
+
+
+def cp_comm_types(model: ModelConfig, tp: int, cp: int) -> tuple[str, ...]:
+    """The --cp-comm-type values a layout may use: p2p alone without CP; a2a only with query heads per TP rank
+    divisible by CP (validation's rule)."""
+    if cp == 1:
+        return ("p2p",)
+    return tuple(c for c in CP_COMM_TYPES if c != "a2a" or (model.num_attention_heads // tp) % cp == 0)
+
+
+def _groups(
+    model: ModelConfig, global_batch: int, base: Layout, pp: int, dp: int, cp: int, ep: int, split, recomputes
+) -> Iterator[list[Layout]]:
+    """The groups of one process grid and comm type: virtual stages, recompute, ZeRO, micro batch."""
+    zeros = ((0, 1, 2, 3) if pp == 1 and ep == 1 else (0, 1)) if dp * cp > 1 else (0,)
+    vpps = [1] if split[0] is not None or pp == 1 else [v for v in divisors(model.num_layers // pp) if v <= MAX_VPP]
+    for vpp in vpps:
+        for recompute, modules in recomputes:
+            for zero in zeros:
+                group = []
+                for mb in divisors(global_batch // dp):
+                    m = global_batch // (mb * dp)
+                    if vpp > 1 and m % pp:
+                        continue
+                    group.append(
+                        dataclasses.replace(
+                            base,
+                            vpp=vpp,
+                            micro_batch=mb,
+                            num_microbatches=m,
+                            recompute=recompute,
+                            recompute_modules=modules,
+                            zero_stage=zero,
                         )
-                    if group:
-                        yield group
+                    )
+                if group:
+                    yield group
 
 
 def _grids(model: ModelConfig, cluster: Cluster, global_batch: int) -> Iterator[tuple]:
@@ -408,7 +427,7 @@ def layout_text(lay: Layout) -> str:
         "" if lay.first_stage_layers is None else f" (first/last stage {lay.first_stage_layers}/{lay.last_stage_layers} layers)"
     )
     return (
-        f"TP {lay.tp}, PP {lay.pp}{split}, VPP {lay.vpp}, CP {lay.cp}, DP {lay.dp}{f' (EP {lay.ep})' if lay.ep > 1 else ''}, "
+        f"TP {lay.tp}, PP {lay.pp}{split}, VPP {lay.vpp}, CP {lay.cp}{f' ({lay.cp_comm_type})' if lay.cp > 1 else ''}, DP {lay.dp}{f' (EP {lay.ep})' if lay.ep > 1 else ''}, "
         f"micro batch {lay.micro_batch}, "
         f"{zero}, recompute {recompute_text(lay)}"
     )

@@ -274,7 +274,7 @@ def layout_args(layout, global_batch: int) -> list[str]:
     if layout.last_stage_layers is not None:
         args += ["--decoder-last-pipeline-num-layers", str(layout.last_stage_layers)]
     if layout.cp > 1:
-        args += ["--context-parallel-size", str(layout.cp)]
+        args += ["--context-parallel-size", str(layout.cp), "--cp-comm-type", layout.cp_comm_type]
     if layout.ep > 1:
         args += ["--expert-model-parallel-size", str(layout.ep)]
     if layout.etp > 1:

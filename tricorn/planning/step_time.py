@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from tricorn.config import ModelConfig
+from tricorn.planning.context_comm import cp_traffic
 from tricorn.planning.efficiency import Efficiency, efficiency_for
 from tricorn.planning.hardware import GPUSpec
 from tricorn.planning.layout import Layout
@@ -204,10 +205,12 @@ def _layer(model: ModelConfig, lay: Layout, cluster: Cluster, features: RunFeatu
         out.tp_comm = max(0.0, tp_comm - 3 * gemm_fwd) if features.tp_comm_overlap else tp_comm
     if lay.ep > 1:
         out.ep_comm = ep_all_to_all_bytes(model, lay, tokens) / _link(cluster, tp * cp, lay.ep)
-    if cp > 1:
+    if cp > 1 and lay.cp_comm_type == "p2p":
         # Each of the CP - 1 ring steps sends one K, V chunk while computing one block (forward; backward 2x both).
         step_comm = 2 * tokens * gd / tp * e / _link(cluster, tp, cp)
         out.cp_exposed = 3 * (cp - 1) * max(0.0, step_comm - core_fwd / cp)
+    elif cp > 1:  # a2a and allgather: nothing overlaps their collectives (planning/context_comm.py)
+        out.cp_exposed = cp_traffic(model, lay).bytes(e) / _link(cluster, tp, cp)
     return out
 
 

@@ -68,7 +68,7 @@ def build(cfg: Config, state):
     from tricorn.training.activation_probe import attach_trainer_probe
 
     seed_default_stream(cfg.training.seed, state.pp_rank)
-    spec = apply_context_parallel(tensor_parallel_spec(cfg, state.tp_group), state.cp_group, cfg.model.seq_length)
+    spec = apply_context_parallel(tensor_parallel_spec(cfg, state.tp_group), state.cp_group, cfg.parallel.cp_comm_type)
     spec = apply_expert_tensor_parallel(apply_expert_parallel(spec, state.ep_group), cfg, state.tp_group)
     if cfg.model.transformer_impl == "transformer_engine":
         from tricorn.parallel.te import te_spec
