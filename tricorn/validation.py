@@ -16,6 +16,7 @@ from typing import Optional
 from tricorn.config import Config, field_errors
 from tricorn.parallel.batch_schedule import validate_rampup
 from tricorn.parallel.compile import validate_compile
+from tricorn.parallel.fp8 import validate_fp8
 from tricorn.parallel.pipeline.stages import validate_pipeline
 from tricorn.parallel.recompute import validate_recompute
 from tricorn.parallel.te import TransformerEngineUnavailable, import_te
@@ -96,18 +97,21 @@ def validate(cfg: Config) -> list[str]:
             errs.append(str(e))
     if t.fp8_format and not (t.bf16 or t.fp16):
         errs.append("--fp8-format needs --bf16 (FP8 GEMMs keep bf16 weights and activations around them)")
-    if t.fp8_format and m.transformer_impl != "transformer_engine":
-        errs.append("--fp8-format needs --transformer-impl transformer_engine")
     if t.fp8_recipe and not t.fp8_format:
         errs.append(f"--fp8-recipe {t.fp8_recipe} needs --fp8-format e4m3|hybrid (it chooses how FP8 GEMMs are scaled)")
-    if t.fp8_format and m.recompute_granularity:
+    if t.fp8_format and m.recompute_granularity and m.transformer_impl == "transformer_engine":
         errs.append(
-            "--fp8-format with --recompute-granularity is not supported: the recomputed forward would run outside "
+            "--fp8-format with --recompute-granularity is not supported on Transformer Engine: the recomputed forward would run outside "
             "FP8 and differ from the forward it replays; drop one of them"
         )
     if not errs:  # each feature validates its own flags once the basic shape is sound
         errs += (
-            validate_pipeline(cfg) + validate_rampup(cfg) + validate_recompute(cfg) + validate_moe(cfg) + validate_compile(cfg)
+            validate_pipeline(cfg)
+            + validate_rampup(cfg)
+            + validate_recompute(cfg)
+            + validate_moe(cfg)
+            + validate_compile(cfg)
+            + validate_fp8(cfg)
         )
     return errs
 
