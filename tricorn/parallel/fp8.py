@@ -81,7 +81,7 @@ class FP8Recipe:
     amax_group: dist.ProcessGroup  # TP x CP: tensorwise amaxes
 
     @classmethod
-    def from_config(cls, fmt: str, recipe: Optional[str], tp_group, cp_group, amax_group) -> "FP8Recipe":
+    def from_config(cls, fmt: str, recipe: Optional[str], tp_group, cp_group, amax_group) -> FP8Recipe:
         grad = DTYPES["e5m2" if fmt == "hybrid" else "e4m3"]
         return cls(DTYPES["e4m3"], grad, (recipe or "tensorwise") == "rowwise", tp_group, cp_group, amax_group)
 
@@ -127,10 +127,14 @@ def _check_layout(a: torch.Tensor, b: torch.Tensor) -> None:
         raise AssertionError(f"_scaled_mm needs a row-major first and a column-major second operand: {a.stride()}, {b.stride()}")
 
 
-def scaled_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor) -> torch.Tensor:
-    """(a / a_scale) @ (b / b_scale) in bf16; a_inv, b_inv are the reciprocal (dequantising) scales."""
+def scaled_mm(a, a_inv, b, b_inv, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(a / a_scale) @ (b / b_scale) in bf16 (into `out`'s [M, N] view when given); a_inv, b_inv are the
+    reciprocal (dequantising) scales."""
     _check_layout(a, b)
-    return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16)
+    if out is None:
+        return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16)
+    torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16, out=out.view(a.shape[0], b.shape[1]))
+    return out
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
@@ -171,14 +175,18 @@ class _FP8Linear(torch.autograd.Function):
         xq, x_inv, wq_t, w_inv, scales = _forward_operands(x2d, weight, recipe, in_split)
         if recipe.rowwise and gather is not None:  # each token's scale travels with its row
             x_inv = all_gather_dim(x_inv, 0, gather)
-        y = scaled_mm(_gather_fp8(xq, gather), x_inv, wq_t, w_inv)
+        xq_full = _gather_fp8(xq, gather)
+        # Written in place into the output's shape: a view of the GEMM's [M, N] result could not be reduced in
+        # place by the TP collective that follows (autograd forbids in-place on a custom Function's view output).
+        lead = x.shape[:-1] if gather is None else (x.shape[0] * dist.get_world_size(gather), *x.shape[1:-1])
+        y = scaled_mm(xq_full, x_inv, wq_t, w_inv, out=x.new_empty(*lead, weight.shape[0]))
         if bias is not None:
             y = y + bias
         # tensorwise: the FP8 input (shard) and its scales; rowwise: the bf16 input (shard), requantised per GEMM
         ctx.save_for_backward(*((xq, *scales) if not recipe.rowwise else (x2d,)), weight)
         ctx.recipe, ctx.gather, ctx.in_split, ctx.has_bias = recipe, gather, in_split, bias is not None
         ctx.x_shape = x.shape
-        return y.view(*x.shape[:-1], weight.shape[0]) if gather is None else y.view(-1, *x.shape[1:-1], weight.shape[0])
+        return y
 
     @staticmethod
     def backward(ctx, grad):
