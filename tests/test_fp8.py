@@ -76,7 +76,8 @@ def test_quantiser_is_one_rounding_with_the_largest_power_of_two_scale(dtype):
 
 
 def test_tensor_parallel_layer_equals_one_process():
-    """TP=2 with SP, both recipes: every rank against one process's FP8 (tests/workers/fp8_layer.py)."""
+    """TP=2 with SP, both recipes, and rowwise's CP reduction: every rank against one process's FP8
+    (tests/workers/fp8_layer.py)."""
     run_script(Path(__file__).parent / "workers" / "fp8_layer.py", 2)
 
 
@@ -101,8 +102,8 @@ LAYOUTS = {
     "tp2_sp_cp2": (FLAGS, 4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"]),
     "pp2_dp2_distopt": (FLAGS, 4, ["--pipeline-model-parallel-size", "2"] + DIST),
     "zero3_dp2_recompute": (FLAGS, 2, DIST + ["--zero-stage", "3"] + RECOMPUTE),
-    # rowwise's own reductions are over TP (rows split by features); its CP one (per-feature maxima over tokens)
-    # is the tensorwise group's CP part, exercised above. Two ranks keep the file within its time budget.
+    # rowwise at TP2+SP; its CP reduction (the weight gradient's per-feature maxima over tokens) is checked at
+    # layer level (tests/workers/fp8_layer.py). Two ranks keep the file within its time budget.
     "rowwise_tp2_sp": (ROWWISE, 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
 }
 

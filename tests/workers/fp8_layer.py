@@ -1,4 +1,4 @@
-"""Worker (2 ranks, TP=2 with SP): the FP8 column- and row-parallel GEMMs of every rank against the float64
+"""Worker (2 ranks, TP=2 with SP, then CP=2 for rowwise): the FP8 column- and row-parallel GEMMs of every rank against the float64
 product of one process's quantised values (tests/fp8_reference.py), for tensorwise e4m3 and rowwise hybrid.
 
 The data makes per-shard scales visible: in each tensor TP splits, rank 0's half is large and rank 1's tiny
@@ -78,4 +78,14 @@ for fmt, recipe_name in (("e4m3", "tensorwise"), ("hybrid", "rowwise")):
     gqt = dequantized(g2, 0, gdt) if rowwise else gq
     xqt = dequantized(x2, 0, e4m3) if rowwise else xq
     assert_gemm(ws.grad, gqt.t(), xqt[:, cols], f"{recipe_name} row wgrad")
+# Rowwise under CP=2 (the two ranks hold the two halves of the sequence): the weight gradient's per-feature
+# maxima run over all tokens, so rank 1's tiny tokens quantise to zeros as in one process.
+recipe = FP8Recipe.from_config("hybrid", "rowwise", None, group, group)
+x, g = halves((S, B, H), 0), halves((S, B, F), 0)
+w = torch.randn(F, H, generator=gen).bfloat16().requires_grad_()
+xs = mine(x, 0).clone().requires_grad_()
+recipe.linear(xs, w, None).backward(mine(g, 0).contiguous())
+rows = slice(rank * S * B // world, (rank + 1) * S * B // world)
+gqt, xqt = dequantized(g.reshape(S * B, F), 0, DTYPES["e5m2"]), dequantized(x.reshape(S * B, H), 0, DTYPES["e4m3"])
+assert_gemm(w.grad, gqt[rows].t(), xqt[rows], "rowwise wgrad under CP")
 dist.destroy_process_group()
