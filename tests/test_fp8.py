@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,9 @@ from badinput import assert_refused
 from fp8_reference import assert_gemm, dequantized
 from harness import BASE_FLAGS, assert_close, reference, run_layout, run_script, with_flag
 
+from tricorn.config import config_from_args
 from tricorn.parallel.fp8 import DTYPES, FP8Recipe, quantize, scale_for
+from tricorn.planning.memory import estimate_config
 
 E4M3, E5M2 = DTYPES["e4m3"], DTYPES["e5m2"]
 
@@ -100,7 +103,8 @@ LOSS_RTOL = 5e-4
 GRAD_NORM_RTOL = 1.5e-2
 LAYOUTS = {
     "tp2_sp_cp2": (FLAGS, 4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"]),
-    "pp2_dp2_distopt": (FLAGS, 4, ["--pipeline-model-parallel-size", "2"] + DIST),
+    # --tensorboard-dir: memory_report.json, whose probed activations the estimator must predict (below)
+    "pp2_dp2_distopt": (FLAGS, 4, ["--pipeline-model-parallel-size", "2", "--tensorboard-dir", "tb"] + DIST),
     "zero3_dp2_recompute": (FLAGS, 2, DIST + ["--zero-stage", "3"] + RECOMPUTE),
     # rowwise at TP2+SP; its CP reduction (the weight gradient's per-feature maxima over tokens) is checked at
     # layer level (tests/workers/fp8_layer.py). Two ranks keep the file within its time budget.
@@ -115,6 +119,21 @@ def test_layout_equals_single_process_fp8(tmp_path, layout):
     run = run_layout(flags + extra, nproc, tmp_path / "run")
     assert_close(run.losses, ref.losses, LOSS_RTOL, "lm loss")
     assert_close(run.grad_norms, ref.grad_norms, GRAD_NORM_RTOL, "grad norm")
+    if "--tensorboard-dir" in extra:
+        _assert_estimated_activations(flags + extra, nproc, tmp_path / "run" / "tb" / "memory_report.json")
+
+
+def _assert_estimated_activations(flags: list[str], nproc: int, report: Path) -> None:
+    """The estimator counts what the FP8 linears keep (an FP8 copy of each input and two scales, not the bf16
+    input): every rank's probed bytes per layer and outside the layers equal the estimate, to the byte."""
+    cfg = config_from_args(flags, world_size=nproc)
+    entries = json.loads(report.read_text())
+    assert len(entries) == nproc
+    for entry in entries:
+        est = estimate_config(cfg, stage=entry["pp_rank"])
+        for key in ("activation_bytes_per_layer", "activation_bytes_other"):
+            # Byte counts of saved tensors against the formula: no rounding anywhere, so exact.
+            assert entry[key] == getattr(est, key), (entry["rank"], key, entry[key], getattr(est, key))
 
 
 def test_recompute_replays_the_forward_bitwise(tmp_path):

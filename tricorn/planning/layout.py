@@ -39,6 +39,7 @@ class Layout:
     ep: int = 1  # expert parallel: ranks of DP x CP that split the MoE experts
     etp: int = 1  # expert tensor parallel: 1 (routed experts replicated over TP) or TP (split like the dense MLP)
     compiled: bool = False  # --torch-compile: the compiled layers keep no RoPE rows (planning/activations.py)
+    fp8_inputs: bool = False  # native FP8, tensorwise: the linears keep FP8 copies of their inputs (activations.py)
 
     @property
     def world_size(self) -> int:
@@ -75,4 +76,5 @@ class Layout:
             ep=p.expert_model_parallel_size,
             etp=p.expert_tensor_parallel_size,
             compiled=m.torch_compile,
+            fp8_inputs=bool(t.fp8_format) and m.transformer_impl == "local" and (t.fp8_recipe or "tensorwise") == "tensorwise",
         )
