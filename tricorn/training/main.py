@@ -76,11 +76,10 @@ def build(cfg: Config, state):
         spec = te_spec(spec, cfg, state.tp_group, state.device)
     elif cfg.training.fp8_format:  # native FP8: the local linears' GEMMs through torch._scaled_mm
         from tricorn.parallel.fp8 import FP8Recipe, fp8_spec
-        from tricorn.parallel.state import flatten
 
         t = cfg.training
-        amax_group = flatten(state.mesh, ("cp", "tp"))
-        spec = fp8_spec(spec, FP8Recipe.from_config(t.fp8_format, t.fp8_recipe, state.tp_group, state.cp_group, amax_group))
+        recipe = FP8Recipe.from_config(t.fp8_format, t.fp8_recipe, state.tp_group, state.cp_group, state.cp_tp_group)
+        spec = fp8_spec(spec, recipe)
     # One chunk per virtual pipeline stage of this rank (the whole model without PP), built on meta with
     # hollow parameters that the DP buckets fill (ZeRO-3: only the owned shard). TE/FP8 modules build as before.
     hollow = cfg.model.transformer_impl != "transformer_engine"
