@@ -87,7 +87,9 @@ class FP8Recipe:
 
     def linear(self, x, weight, bias, gather: Optional[dist.ProcessGroup] = None, in_split: bool = False) -> torch.Tensor:
         """x W^T (+ bias) in FP8; `gather`, `in_split`: see _FP8Linear."""
-        return _FP8Linear.apply(x, weight, bias, self, gather, in_split)
+        y = _FP8Linear.apply(x, weight, bias, self, gather, in_split)
+        seq = x.shape[0] * (1 if gather is None else dist.get_world_size(gather))  # sequence-first, gathered under SP
+        return y.view(seq, *x.shape[1:-1], weight.shape[0])
 
 
 # ---------------------------------------------------------------- scaling
@@ -118,7 +120,7 @@ def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     """FP8 of t * scale. The product is exact in t's dtype (a power of two within range), so the cast is the
     one rounding; |t * scale| <= max by construction, and the clamp only guards a scale reduced elsewhere."""
     top = torch.finfo(dtype).max
-    return (t * scale.to(t.dtype)).clamp(-top, top).to(dtype)
+    return (t * scale.to(t.dtype)).clamp_(-top, top).to(dtype)
 
 
 def _check_layout(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -127,14 +129,11 @@ def _check_layout(a: torch.Tensor, b: torch.Tensor) -> None:
         raise AssertionError(f"_scaled_mm needs a row-major first and a column-major second operand: {a.stride()}, {b.stride()}")
 
 
-def scaled_mm(a, a_inv, b, b_inv, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """(a / a_scale) @ (b / b_scale) in bf16 (into `out`'s [M, N] view when given); a_inv, b_inv are the
-    reciprocal (dequantising) scales."""
+def scaled_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor) -> torch.Tensor:
+    """(a / a_scale) @ (b / b_scale) in bf16; a_inv, b_inv are the reciprocal (dequantising) scales. (Not the
+    out= variant: it has no meta kernel, so `tricorn simulate`'s fake tensors would run it for real.)"""
     _check_layout(a, b)
-    if out is None:
-        return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16)
-    torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16, out=out.view(a.shape[0], b.shape[1]))
-    return out
+    return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16)
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
@@ -175,11 +174,9 @@ class _FP8Linear(torch.autograd.Function):
         xq, x_inv, wq_t, w_inv, scales = _forward_operands(x2d, weight, recipe, in_split)
         if recipe.rowwise and gather is not None:  # each token's scale travels with its row
             x_inv = all_gather_dim(x_inv, 0, gather)
-        xq_full = _gather_fp8(xq, gather)
-        # Written in place into the output's shape: a view of the GEMM's [M, N] result could not be reduced in
-        # place by the TP collective that follows (autograd forbids in-place on a custom Function's view output).
-        lead = x.shape[:-1] if gather is None else (x.shape[0] * dist.get_world_size(gather), *x.shape[1:-1])
-        y = scaled_mm(xq_full, x_inv, wq_t, w_inv, out=x.new_empty(*lead, weight.shape[0]))
+        # [tokens, out]; FP8Recipe.linear views it in x's shape outside this Function (autograd forbids in-place
+        # ops, such as the TP reduction that follows a row-parallel linear, on a view a custom Function returns)
+        y = scaled_mm(_gather_fp8(xq, gather), x_inv, wq_t, w_inv)
         if bias is not None:
             y = y + bias
         # tensorwise: the FP8 input (shard) and its scales; rowwise: the bf16 input (shard), requantised per GEMM
