@@ -192,3 +192,12 @@ def _argv(extra: list[str]) -> list[str]:
 @pytest.mark.parametrize("extra,needle", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_bad_fp8_input_is_one_line(tmp_path, extra, needle):
     assert_refused(_argv(extra), tmp_path, needle=needle)
+
+
+def test_estimate_prints_the_fp8_terms():
+    """`tricorn estimate` names what native FP8 keeps per layer, against bf16 (the formula checked above)."""
+    from tricorn.planning.estimate import format_report
+
+    fp8 = [line for line in format_report(config_from_args(FLAGS, world_size=1)).splitlines() if "FP8" in line]
+    assert len(fp8) == 1 and "FP8 (native, tensorwise)" in fp8[0], fp8
+    assert not [line for line in format_report(config_from_args(ROWWISE, world_size=1)).splitlines() if "FP8" in line]

@@ -157,6 +157,7 @@ def format_report(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> str:
     for key, label in CATEGORIES:
         lines.append(f"  {label:<26}{_gib(rec[key])}")
     lines.append(f"  {'total':<26}{_gib(rec['total_bytes'])}")
+    lines += _native_fp8_lines(cfg)
     if len(rec["per_stage_total_bytes"]) > 1:
         lines.append("  per pipeline stage: " + ", ".join(f"{x / GiB:.2f}" for x in rec["per_stage_total_bytes"]) + " GiB")
     if gpu_memory_bytes is not None:
@@ -167,6 +168,21 @@ def format_report(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> str:
         f"  FLOPs per iteration: {rec['model_flops_per_iteration']:.3e} model, {rec['hardware_flops_per_iteration']:.3e} hardware"
     )
     return "\n".join(lines)
+
+
+def _native_fp8_lines(cfg: Config) -> list[str]:
+    """Native FP8 tensorwise: what its linears keep per layer against the same layout in bf16 (activations.py)."""
+    from tricorn.planning.activations import layout_layer_bytes
+    from tricorn.planning.layout import Layout
+
+    layout = Layout.from_config(cfg)
+    if not layout.fp8_inputs:
+        return []
+    fp8, bf16 = layout_layer_bytes(cfg.model, layout), layout_layer_bytes(cfg.model, layout, fp8_inputs=False)
+    return [
+        f"  FP8 (native, tensorwise): the linears keep FP8 copies of their inputs and fp32 scales: activations "
+        f"{fp8 / GiB:.3f} GiB per layer and microbatch, against {bf16 / GiB:.3f} GiB in bf16"
+    ]
 
 
 def visible_device_memory() -> Optional[float]:
