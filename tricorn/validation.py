@@ -16,6 +16,7 @@ from typing import Optional
 from tricorn.config import Config, field_errors
 from tricorn.parallel.batch_schedule import validate_rampup
 from tricorn.parallel.compile import validate_compile
+from tricorn.parallel.fp8 import validate_fp8
 from tricorn.parallel.pipeline.stages import validate_pipeline
 from tricorn.parallel.recompute import validate_recompute
 from tricorn.parallel.te import validate_te
@@ -98,13 +99,16 @@ def validate(cfg: Config) -> list[str]:
     errs += validate_te(cfg)  # device, installed version in the pinned range, recipe, GPU for mxfp8
     if t.fp8_format and not (t.bf16 or t.fp16):
         errs.append("--fp8-format needs --bf16 (FP8 GEMMs keep bf16 weights and activations around them)")
-    if t.fp8_format and m.transformer_impl != "transformer_engine":
-        errs.append("--fp8-format needs --transformer-impl transformer_engine")
     if t.fp8_recipe and not t.fp8_format:
         errs.append(f"--fp8-recipe {t.fp8_recipe} needs --fp8-format e4m3|hybrid (it chooses how FP8 GEMMs are scaled)")
     if not errs:  # each feature validates its own flags once the basic shape is sound
         errs += (
-            validate_pipeline(cfg) + validate_rampup(cfg) + validate_recompute(cfg) + validate_moe(cfg) + validate_compile(cfg)
+            validate_pipeline(cfg)
+            + validate_rampup(cfg)
+            + validate_recompute(cfg)
+            + validate_moe(cfg)
+            + validate_compile(cfg)
+            + validate_fp8(cfg)
         )
     return errs
 

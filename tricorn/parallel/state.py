@@ -64,6 +64,8 @@ class ParallelState:
     # same experts (DP x CP / EP of them), which reduce the experts' gradients. Both None without EP.
     ep_group: Optional[dist.ProcessGroup] = None
     expert_dp_group: Optional[dist.ProcessGroup] = None
+    # Native FP8 (fp8.py): CP x TP of this stage, over which tensorwise amaxes are reduced; None without it.
+    cp_tp_group: Optional[dist.ProcessGroup] = None
 
     def size(self, dim: str) -> int:
         return self.mesh.size(self.mesh.mesh_dim_names.index(dim))
@@ -210,6 +212,7 @@ def init_parallel(cfg: Config, init_method: Optional[str] = None) -> ParallelSta
         dp_cp_group=flatten(mesh, ("dp", "cp")),
         mp_group=flatten(mesh, ("pp", "tp")),
         **_expert_groups(mesh, rank, cfg.parallel.expert_model_parallel_size),
+        cp_tp_group=flatten(mesh, ("cp", "tp")) if cfg.training.fp8_format and cfg.model.transformer_impl == "local" else None,
     )
 
 

@@ -271,6 +271,8 @@ def mark_sequence_parallel(module: nn.Module) -> nn.Module:
 
 
 class _TPBase(nn.Module):
+    fp8 = None  # native FP8 (tricorn/parallel/fp8.py): its FP8Recipe runs the column/row linears' GEMMs
+
     def __init__(self, group: dist.ProcessGroup, sequence_parallel: bool):
         super().__init__()
         self.group = group
@@ -280,6 +282,9 @@ class _TPBase(nn.Module):
     def _column(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A column-parallel product: under SP all-gather the sequence (saving only the shard), else mark the
         TP fan-out."""
+        if self.fp8 is not None:
+            sp = self.sequence_parallel and self.tp > 1
+            return self.fp8.linear(x if sp else copy_to_tp(x, self.group), weight, bias, self.group if sp else None)
         if self.sequence_parallel and self.tp > 1:
             return _GatherLinear.apply(x, weight, bias, self.group)
         return F.linear(copy_to_tp(x, self.group), weight, bias)
@@ -308,7 +313,7 @@ class RowParallelLinear(_TPBase):
             self.bias.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = F.linear(x, self.weight) if self.fp8 is None else self.fp8.linear(x, self.weight, None, in_split=True)
         out = reduce_scatter_to_sequence(out, self.group) if self.sequence_parallel else reduce_from_tp(out, self.group)
         # The bias is added once, after the sum, not once per rank.
         return out if self.bias is None else out + self.bias

@@ -80,6 +80,15 @@ the replayed SDPA (``rng_state``: SDPA is tagged nondeterministic for its dropou
 the state it restores) - 5,056 uint8 bytes on CPU (torch.get_rng_state()), 16 on CUDA (seed and offset).
 The probe equals the compile-mode estimate to the byte at every layout tests/test_compile.py runs.
 
+Native FP8, tensorwise (``fp8_inputs``; tricorn/parallel/fp8.py): each FP8 linear keeps a 1-byte FP8 copy of
+its input and two fp32 scales instead of its bf16 input. linear_inputs: 1 byte per element for QKV's and w1's
+inputs (e for w1's when a checkpointed MLP holds the norm output instead); attention_output: SDPA's own output
+(unless core_attn is recomputed) plus the out projection's FP8 copy, (e + 1) / t; mlp: w2's input in FP8,
+SwiGLU e(2f) + f (GeLU ef + f); fp8_scales: 8 bytes per linear that keeps its input. The norm and mlp_act
+recompute modules then save nothing (the linears no longer hold the norm outputs or w2's bf16 input).
+Rowwise keeps the bf16 inputs (views of tensors counted above), so its terms are bf16's.
+Checked: tests/test_fp8.py (the trainer's probe against this formula).
+
 Microbatches in flight on pipeline stage r of p with M microbatches: 1F1B min(p - r, M); interleaved with v
 chunks min(2(p - r - 1) + (v - 1)p + 1, Mv) chunk-forwards of L/(pv) layers - on the first stage
 L(1 + (p - 1)/(pv)) layers' worth, Korthikanti's factor; GPipe M; no pipeline 1.
@@ -168,6 +177,7 @@ class LayerActivationTerms:
     attention_output: float = 0.0
     attention_core: float = 0.0
     mlp: float = 0.0
+    fp8_scales: float = 0.0  # native FP8 tensorwise: the fp32 scales each FP8 linear keeps
     layer_input: float = 0.0  # full recompute: the checkpoint's input (one per group of N layers)
     rng_state: float = 0.0  # compiled selective core_attn: the generator state its replay restores
 
@@ -214,6 +224,7 @@ def layer_activation_terms(
     cp_comm_type: str = "p2p",
     etp: int = 1,
     compiled: bool = False,
+    fp8_inputs: bool = False,
 ) -> LayerActivationTerms:
     """Bytes one layer keeps for backward for one microbatch of ``micro_batch`` x ``seq`` tokens on one rank, by
     term (the module docstring's table); ``seq`` is the rank's sequence length, after CP over ``cp`` ranks."""
@@ -253,7 +264,7 @@ def layer_activation_terms(
     rng_state = (CPU_RNG_STATE_BYTES if device == "cpu" else 16) if compiled and "core_attn" in selective else 0.0
     if compiled and "mlp" in selective:  # the partitioner rebuilds the checkpointed MLP's input from the norm's
         linear_inputs -= e * sbh / sp_div
-    return LayerActivationTerms(
+    terms = LayerActivationTerms(
         norm_inputs=2 * profile.norm_bytes(e, norm, device) * sbh / sp_div,
         norm_stats=2 * profile.stats_bytes(norm) * s * b / sp_div,
         norm_weights=2 * 4 * h * (2 if norm == "LayerNorm" else 1) if profile.norm_weight_fp32_copy and e != 4 else 0.0,
@@ -265,6 +276,26 @@ def layer_activation_terms(
         attention_core=core / tp,
         mlp=0.0 if "mlp" in selective else mlp_activation_bytes(model, e, s * b, tp, "mlp_act" in selective, sp_div, etp),
         rng_state=rng_state,
+    )
+    return _with_fp8_inputs(terms, model, e, s * b, sp_div, tp, selective, copies) if fp8_inputs else terms
+
+
+def _with_fp8_inputs(
+    terms: LayerActivationTerms, model: ModelConfig, e: float, tokens: int, sp_div: int, tp: int, selective: set, copies: int
+) -> LayerActivationTerms:
+    """Native FP8 tensorwise (the module docstring): the linears keep FP8 copies of their inputs and two scales."""
+    h, f = model.hidden_size, model.ffn_size
+    mlp_kept = "mlp" not in selective
+    if mlp_kept:
+        w1_input = tokens * h / sp_div  # w1's FP8 copy
+    else:  # the checkpointed MLP holds the norm output (freed by norm recompute, as in bf16)
+        w1_input = 0.0 if "norm" in selective else e * tokens * h / sp_div
+    return replace(
+        terms,
+        linear_inputs=tokens * h / sp_div + w1_input,  # QKV's FP8 copy (norm recompute cannot drop it)
+        attention_output=(e * copies + 1) * tokens * h / tp,  # SDPA's output unless recomputed, and wo's FP8 copy
+        mlp=tokens * f * (e * (_mlp_widths(model.swiglu, False) - 1) + 1) / tp if mlp_kept else 0.0,
+        fp8_scales=8.0 * (4 if mlp_kept else 2),
     )
 
 
@@ -398,6 +429,7 @@ def layout_layer_bytes(model: ModelConfig, layout: Layout, profile: ActivationPr
         cp_comm_type=layout.cp_comm_type,
         etp=layout.etp,
         compiled=layout.compiled,
+        fp8_inputs=layout.fp8_inputs,
     )
     return layer_activation_bytes(model, **(kw | override), profile=profile)
 

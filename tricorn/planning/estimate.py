@@ -109,7 +109,7 @@ def estimate_record(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> di
         model_flops_per_iteration=f.model,
         hardware_flops_per_iteration=f.hardware,
     )
-    if cfg.training.fp8_format:
+    if cfg.training.fp8_format and cfg.model.transformer_impl == "transformer_engine":  # native: _native_fp8_lines
         lay = Layout.from_config(cfg)
         terms = fp8_terms(cfg.model, lay, est.layers_on_stage, est.microbatches_in_flight)
         rec["fp8"] = dict(
@@ -180,6 +180,7 @@ def format_report(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> str:
             f"weights {f['saved_weights_bytes'] / GiB:.2f} GiB, scales {f['scales_bytes'] / 2**20:.2f} MiB; saved "
             f"activations {f['activation_delta_bytes'] / GiB:+.2f} GiB against bf16 (in activations)"
         )
+    lines += _native_fp8_lines(cfg)
     if len(rec["per_stage_total_bytes"]) > 1:
         lines.append("  per pipeline stage: " + ", ".join(f"{x / GiB:.2f}" for x in rec["per_stage_total_bytes"]) + " GiB")
     if gpu_memory_bytes is not None:
@@ -190,6 +191,21 @@ def format_report(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> str:
         f"  FLOPs per iteration: {rec['model_flops_per_iteration']:.3e} model, {rec['hardware_flops_per_iteration']:.3e} hardware"
     )
     return "\n".join(lines)
+
+
+def _native_fp8_lines(cfg: Config) -> list[str]:
+    """Native FP8 tensorwise: what its linears keep per layer against the same layout in bf16 (activations.py)."""
+    from tricorn.planning.activations import layout_layer_bytes
+    from tricorn.planning.layout import Layout
+
+    layout = Layout.from_config(cfg)
+    if not layout.fp8_inputs:
+        return []
+    fp8, bf16 = layout_layer_bytes(cfg.model, layout), layout_layer_bytes(cfg.model, layout, fp8_inputs=False)
+    return [
+        f"  FP8 (native, tensorwise): the linears keep FP8 copies of their inputs and fp32 scales: activations "
+        f"{fp8 / GiB:.3f} GiB per layer and microbatch, against {bf16 / GiB:.3f} GiB in bf16"
+    ]
 
 
 def visible_device_memory() -> Optional[float]:

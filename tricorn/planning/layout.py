@@ -42,6 +42,7 @@ class Layout:
     compiled: bool = False  # --torch-compile: the compiled layers keep no RoPE rows (planning/activations.py)
     transformer_impl: str = "local"  # --transformer-impl
     fp8_recipe: Optional[str] = None  # the FP8 recipe in effect (planning/fp8_terms.py); None: no FP8
+    fp8_inputs: bool = False  # native FP8, tensorwise: the linears keep FP8 copies of their inputs (activations.py)
 
     @property
     def world_size(self) -> int:
@@ -83,4 +84,5 @@ class Layout:
             fp8_recipe=(t.fp8_recipe or ("delayed" if m.transformer_impl == "transformer_engine" else "tensorwise"))
             if t.fp8_format
             else None,
+            fp8_inputs=bool(t.fp8_format) and m.transformer_impl == "local" and (t.fp8_recipe or "tensorwise") == "tensorwise",
         )

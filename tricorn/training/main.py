@@ -74,16 +74,23 @@ def build(cfg: Config, state):
         from tricorn.parallel.te import te_spec
 
         spec = te_spec(spec, cfg, state.tp_group, state.device)
+    elif cfg.training.fp8_format:  # native FP8: the local linears' GEMMs through torch._scaled_mm
+        from tricorn.parallel.fp8 import FP8Recipe, fp8_spec
+
+        t = cfg.training
+        recipe = FP8Recipe.from_config(t.fp8_format, t.fp8_recipe, state.tp_group, state.cp_group, state.cp_tp_group)
+        spec = fp8_spec(spec, recipe)
     # One chunk per virtual pipeline stage of this rank (the whole model without PP), built on meta with
-    # hollow parameters that the DP buckets fill (ZeRO-3: only the owned shard); TE's Linear too (deferred init).
-    hollow = cfg.model.transformer_impl == "transformer_engine" or not cfg.training.fp8_format
+    # hollow parameters that the DP buckets fill (ZeRO-3: only the owned shard); native FP8's linears are the local
+    # ones, and TE's Linear builds on meta too (deferred init).
+    hollow = True
     chunks = build_model_chunks(cfg, spec, state.pp_rank, state.tp_size, state.device, hollow=hollow)
     # --torch-compile: each layer's forward compiled (before recompute, whose checkpoints wrap the compiled layer)
     apply_compile(chunks, cfg.model.torch_compile)
     apply_recompute(chunks, cfg.model)  # --recompute-granularity: checkpoint layers / modules in place
     for chunk in chunks:
         cast_params(chunk, cfg)
-    if cfg.training.fp8_format:
+    if cfg.training.fp8_format and cfg.model.transformer_impl == "transformer_engine":
         from tricorn.parallel.te import amax_reduction_group, enable_fp8
 
         enable_fp8(chunks, cfg, amax_reduction_group(state.mesh))
