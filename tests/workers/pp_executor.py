@@ -28,7 +28,7 @@ from tricorn.model.transformer import GPTModel
 from tricorn.parallel.grads import reduce_tied_embedding_grads
 from tricorn.parallel.pipeline.build import build_model_chunks
 from tricorn.parallel.pipeline.executor import PipelineExecutor
-from tricorn.parallel.pipeline.schedules import V_SCHEDULES, ZERO_BUBBLE, WEIGHT, placement_of, schedule_for
+from tricorn.parallel.pipeline.schedules import V_SCHEDULES, WEIGHT, ZERO_BUBBLE, placement_of, schedule_for
 from tricorn.parallel.pipeline.simulator import simulate
 from tricorn.parallel.state import init_parallel
 from tricorn.parallel.step import StepContext
