@@ -200,6 +200,8 @@ def _zero_bubble_errors(cfg: Any, kind: str, pp: int, vpp: int) -> list[str]:
             ]
     if p.zero_stage_in_effect > 1:
         return [f"--pipeline-schedule {kind} defers weight gradients past the backward; it runs with --zero-stage 1 only"]
+    if cfg.model.transformer_impl == "transformer_engine":
+        return [f"--pipeline-schedule {kind} defers the weight gradients of tricorn's linears; use --transformer-impl local"]
     if cfg.model.torch_compile:
         return [f"--pipeline-schedule {kind} splits each backward in two; it does not combine with --torch-compile"]
     if cfg.training.fp8_format:
