@@ -157,3 +157,19 @@ def test_cli_draws_the_weight_gradients(capsys):
     assert cli.main(["--pp", "4", "--microbatches", "6", "--schedule", "dualpipev"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "6 < 2 x 4 = 8" in err
+
+
+def test_step_time_and_memory_models_use_each_schedules_simulated_bubble_and_peak():
+    from tricorn.planning.activations import microbatches_in_flight
+    from tricorn.planning.layout import Layout
+    from tricorn.planning.step_time import pipeline_bubble
+
+    whole = Costs(forward=1, backward=2, weight=1)  # F = B = W: the models' assumption
+    half = Costs(forward=Fraction(1, 2), backward=1, weight=Fraction(1, 2))
+    for p, m in ((4, 8), (2, 6), (8, 16)):
+        for kind, v, costs in (("1f1b", 1, whole), ("zb-h1", 1, whole), ("zbv", 2, half), ("dualpipev", 2, half)):
+            result = simulate(schedule_for(p, v, m, kind), p, v, costs, placement_of(kind), lazy_sends=True)
+            layout = Layout(pp=p, vpp=v, num_microbatches=m, schedule=kind)
+            assert pipeline_bubble(3.0, layout) == pytest.approx(float(result.makespan - result.busy[0])), (kind, p, m)
+            for stage in range(p):  # in whole-stage microbatches: a chunk of the V is half a stage
+                assert microbatches_in_flight(layout, stage) == result.peak_in_flight[stage] / v, (kind, p, m, stage)

@@ -335,12 +335,20 @@ def korthikanti_layer_bytes(
 
 
 def microbatches_in_flight(layout: Layout, stage: int) -> float:
-    """Forward passes of the whole stage whose activations are alive at the stage's peak."""
+    """Forward passes of the whole stage whose activations are alive at the stage's peak.
+
+    The zero-bubble schedules hold a microbatch until its W (tricorn.parallel.pipeline.zero_bubble; the
+    simulator's peaks, tests/test_pipeline_zero_bubble.py): zb-h1 min(pp, m) on every stage, zbv 2 pp
+    half-stage chunks (pp microbatches), dualpipev 2 pp + 1 chunks."""
     p, v, m = layout.pp, layout.vpp, layout.num_microbatches
     if p == 1:
         return 1.0
     if layout.schedule == "gpipe":
         return float(m)
+    if layout.schedule == "zb-h1":
+        return float(min(p, m))
+    if layout.schedule in ("zbv", "dualpipev"):
+        return min(2 * p + (layout.schedule == "dualpipev"), 2 * m) / 2
     if v == 1:
         return float(min(p - stage, m))
     chunk_forwards = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
