@@ -399,7 +399,7 @@ def other_saved_bytes(model: ModelConfig, layout: Layout, stage: int, profile: A
     total = 0.0
     if stage == 0:
         total += _ids_bytes(layout) * s * b
-    if stage == layout.pp - 1:
+    if stage == layout.head_stage:
         sp_div = tp if layout.sequence_parallel else 1
         norm = model.normalization
         total += (profile.norm_bytes(e, norm, layout.device) * h + profile.stats_bytes(norm)) * s * b / sp_div
@@ -433,7 +433,7 @@ def moe_backward_workspace(model: ModelConfig, layout: Layout) -> float:
 def loss_part_bytes(model: ModelConfig, layout: Layout, stage: int, profile: ActivationProfile = TRICORN) -> float:
     """Of ``embedding_logits_bytes``: the last stage's own part (saved final norm, head input and logits, the
     transient logit gradient and fp32 loss chunk), all released before the layers' backward starts."""
-    if stage != layout.pp - 1:
+    if stage != layout.head_stage:
         return 0.0
     s, b = model.seq_length // layout.cp, layout.micro_batch
     saved = other_saved_bytes(model, layout, stage, profile) - (_ids_bytes(layout) * s * b if stage == 0 else 0)
@@ -448,6 +448,6 @@ def embedding_logits_bytes(model: ModelConfig, layout: Layout, stage: int, profi
     total = 0.0
     if stage == 0:
         total += _ids_bytes(layout) * s * b * microbatches_in_flight(layout, 0)
-    if stage == layout.pp - 1:
+    if stage == layout.head_stage:
         total += loss_part_bytes(model, layout, stage, profile)
     return total

@@ -254,7 +254,8 @@ def step_time(
     per_layer = layer.total + layer.tp_comm + layer.cp_exposed + layer.ep_comm
     head = _head_time(model, lay, cluster)
     counts = stage_layer_counts(model.num_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
-    stage_times = [c * per_layer + (head if i == len(counts) - 1 else 0.0) for i, c in enumerate(counts)]
+    head_at = lay.head_stage if len(counts) == lay.pp else len(counts) - 1
+    stage_times = [c * per_layer + (head if i == head_at else 0.0) for i, c in enumerate(counts)]
     slowest = max(range(len(counts)), key=lambda i: stage_times[i])
     per_mb = stage_times[slowest]
     m, v = lay.num_microbatches, lay.vpp
