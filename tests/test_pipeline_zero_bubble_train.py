@@ -7,12 +7,11 @@ covers which claim of the issue:
   of column/row linears under SP, W's inside recomputed backwards), saving at iteration 3; then
   a resume from that checkpoint that must repeat iterations 4-5 bit for bit;
 - dualpipev at PP2 x DP2 with --use-distributed-optimizer and --overlap-grad-reduce (the bucket
-  reduction starts only at each chunk's last W) and micro batch 1 (4 microbatches = 2 x pp);
-- zb-h1 at PP2 x DP2 with MoE experts over EP2 and tied embeddings (the experts' GEMMs stay in B;
-  the dense linears defer).
+  reduction starts only at each chunk's last W), micro batch 1 (4 microbatches = 2 x pp), and MoE
+  experts over EP2 (the experts' GEMMs stay in B; the dense linears defer).
 
-PP4 (zb-h1, where every rank defers a different number of W's, and dualpipev), zbv/dualpipev at
-PP2 and the bitwise equality of one iteration's gradients with 1F1B (zb-h1: the same stages and,
+zb-h1 (PP2 and PP4, where every rank defers a different number of W's), dualpipev at PP4,
+zbv/dualpipev at PP2 and the bitwise equality of one iteration's gradients with 1F1B (zb-h1: the same stages and,
 for every parameter, the same microbatch order) run on real chunks in tests/workers/pp_executor.py
 (test_pipeline_executor.py), compared with one process in float64.
 """
@@ -41,11 +40,7 @@ def test_zbv_tp2_sp_full_recompute_equals_one_process_and_resumes_bitwise(tmp_pa
         assert got[it] == want[it], f"iteration {it}: resumed {got[it]!r} vs uninterrupted {want[it]!r}"  # same ops, same order
 
 
-def test_dualpipev_dp2_distributed_optimizer_overlapped_reduce_equals_one_process(tmp_path):
+def test_dualpipev_dp2_distributed_optimizer_overlapped_reduce_and_experts_equal_one_process(tmp_path):
     extra = PP2 + ["--pipeline-schedule", "dualpipev", "--use-distributed-optimizer", "--overlap-grad-reduce"]
-    assert_equivalent(UNTIED, 4, tmp_path, extra + ["--micro-batch-size", "1"])
-
-
-def test_zb_h1_with_experts_over_ep2_equals_one_process(tmp_path):
-    extra = PP2 + ["--pipeline-schedule", "zb-h1", "--expert-model-parallel-size", "2", "--micro-batch-size", "1"]
-    assert_equivalent(FLAGS + MOE, 4, tmp_path, extra)
+    extra += ["--expert-model-parallel-size", "2", "--micro-batch-size", "1"]
+    assert_equivalent(UNTIED + MOE, 4, tmp_path, extra)
