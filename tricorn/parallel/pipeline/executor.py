@@ -68,6 +68,7 @@ from tricorn.parallel.pipeline.schedules import (
     placement_of,
     prev_stage,
     schedule_for,
+    sends_done_by,
 )
 from tricorn.parallel.pipeline.stages import layout_from_config
 from tricorn.parallel.state import world_timeout
@@ -146,7 +147,9 @@ class PipelineExecutor:
         """Forward (and backward) of all microbatches; returns this rank's detached loss sum (0 off the last stage)."""
         if len(chunks) != self.vpp:
             raise ValueError(f"pipeline rank {self.pp_rank} got {len(chunks)} model chunks, the layout has {self.vpp}")
-        actions = self.actions(len(microbatches), ctx.forward_only)
+        everyone = schedule_for(self.pp, self.vpp, len(microbatches), self.kind, ctx.forward_only)
+        actions = everyone[self.pp_rank]
+        self._done_by = sends_done_by(everyone, self.pp_rank, self.pp, self.vpp, self.placement)
         split = any(a.kind is WEIGHT for a in actions)
         # The final backward action of each chunk (its last W where there are W's) closes its gradients.
         last_backward = {a.chunk: a for a in actions if a.kind is (WEIGHT if split else BACKWARD)}
@@ -231,6 +234,8 @@ class PipelineExecutor:
                 outgoing[a] = store.pop(key)
         with run.ctx.timers(PIPELINE_P2P_WAIT):
             received = self.p2p.exchange(step, outgoing)
+            for a in received:  # the sends these receives prove done: their buffers go now
+                self.p2p.complete_sends(self._done_by.get(a, []))
         for a, tensor in received.items():
             key = (a.microbatch, a.chunk)
             if a.kind is RECV_FORWARD:
@@ -242,7 +247,10 @@ class PipelineExecutor:
 def _gradient_group(state) -> dist.ProcessGroup:
     """A second group over each pipeline's ranks: the gradients' own FIFO channel on the v placement.
 
-    A collective of the whole world (every rank builds its executor at the same point), with the world's timeout."""
+    A collective of the whole world (every rank builds its executor at the same point), with the world's timeout.
+    Under the fake backend (``tricorn simulate``: one rank of the world, no messages) the pipeline group serves."""
+    if dist.get_backend() == "fake":
+        return state.pp_group
     mesh = state.mesh.mesh
     pp_dim = state.mesh.mesh_dim_names.index("pp")
     pipelines = mesh.movedim(pp_dim, -1).reshape(-1, mesh.shape[pp_dim]).tolist()

@@ -4,8 +4,9 @@ A communication step is a maximal run of send/recv actions in a rank's schedule
 (``schedules.group_steps``). :meth:`PipelineP2P.exchange` posts all of them, in list order,
 as ONE ``torch.distributed.batch_isend_irecv`` over the pipeline group and waits for its
 receives only, so the next forward/backward sees complete inputs. Sends complete lazily:
-their requests (and tensors) are kept and waited for in :meth:`complete_sends`, at the end
-of the schedule, so a rank never stalls on a peer that has not yet posted the matching
+their requests (and tensors) are kept and waited for in :meth:`complete_sends` once a
+receive proves them done (``schedules.sends_done_by``), or at the end of the schedule, so a
+rank never stalls on a peer that has not yet posted the matching
 receive (Megatron's ``overlap_p2p_comm``; the zero-bubble v-schedules need it to be free of
 deadlock, ``simulate(..., lazy_sends=True)``). The peer of each action comes from
 ``schedules.counterpart``; messages between two ranks match in posting order (NCCL has no
@@ -71,7 +72,7 @@ class PipelineP2P:
     grad_group: Optional[dist.ProcessGroup] = None  # gradients' own channel (v placement); None: ``group``
     bytes_sent: int = 0
     _warmed_up: bool = False
-    _sends: list = field(default_factory=list)  # (request, tensor) of sends not yet waited for
+    _sends: dict = field(default_factory=dict)  # action -> (request, tensor) of the sends not yet waited for
 
     def _warm_up(self) -> None:
         if not self._warmed_up:
@@ -87,6 +88,7 @@ class PipelineP2P:
         """
         self._warm_up()
         ops: list[dist.P2POp] = []
+        actions: dict[int, Action] = {}  # id(op) -> its action
         received: dict[Action, torch.Tensor] = {}
         for action in step:
             peer, _ = counterpart(action, self.pp_rank, self.pp, self.vpp, self.placement)
@@ -95,10 +97,12 @@ class PipelineP2P:
             if action.kind.is_send:
                 tensor = self._check(action, outgoing[action])
                 ops.append(dist.P2POp(dist.isend, tensor, self.global_rank(peer), group))
+                actions[id(ops[-1])] = action
                 self.bytes_sent += tensor.numel() * tensor.element_size()
             else:
                 buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, buffer, self.global_rank(peer), group))
+                actions[id(ops[-1])] = action
                 received[action] = buffer
         by_group: dict[dist.ProcessGroup, list[dist.P2POp]] = {}
         for op in ops:  # batch_isend_irecv takes one group: one batch per channel
@@ -111,16 +115,16 @@ class PipelineP2P:
                 continue
             for op, request in zip(batch, requests):
                 if op.op is dist.isend:
-                    self._sends.append((request, op.tensor))
+                    self._sends[actions[id(op)]] = (request, op.tensor)
                 else:
                     request.wait()
         return received
 
-    def complete_sends(self) -> None:
-        """Wait for every send still in flight (end of the schedule); their tensors are released."""
-        for request, _ in self._sends:
-            request.wait()
-        self._sends = []
+    def complete_sends(self, which: Optional[list[Action]] = None) -> None:
+        """Wait for the sends ``which`` (default: all still in flight); their tensors are released."""
+        for action in list(self._sends) if which is None else which:
+            if action in self._sends:
+                self._sends.pop(action)[0].wait()
 
     def _check(self, action: Action, tensor: torch.Tensor) -> torch.Tensor:
         if tuple(tensor.shape) != tuple(self.shape):

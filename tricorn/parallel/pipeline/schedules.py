@@ -385,3 +385,43 @@ def check_schedule(schedule: list[list[Action]], pp: int, vpp: int, num_microbat
             if after is not None and seen.get((after, mb, c), len(actions)) > pos:
                 errs.append(f"rank {r}: {Action(k, mb, c)} at position {pos} comes before {Action(after, mb, c)}")
     return errs
+
+
+def sends_done_by(
+    schedule: list[list[Action]], rank: int, pp: int, vpp: int, placement: str = LOOP
+) -> dict[Action, list[Action]]:
+    """For each recv of ``rank``: its earlier sends that are certainly complete once that recv completes.
+
+    A send to peer q is done once q completed the matching recv; q completes a step's recvs before it goes
+    on, so every send of ours matched by a recv in a step of q before the step in which q posts the send we
+    are receiving is done by then. The executor waits for those (at once: they are complete) and so frees
+    the buffers of its lazy sends without ever waiting on a peer. Messages match per channel in order."""
+
+    def channel(a: Action, r: int) -> tuple[int, int, bool]:
+        peer, _ = counterpart(a, r, pp, vpp, placement)
+        src, dst = (r, peer) if a.kind.is_send else (peer, r)
+        return src, dst, placement == V and a.kind in (SEND_BACKWARD, RECV_BACKWARD)
+
+    step_of: dict[tuple, list[int]] = {}  # (channel, "send"|"recv") -> step index of each message, in order
+    for r, actions in enumerate(schedule):
+        for i, step in enumerate(group_steps(actions)):
+            for a in step:
+                if not a.kind.is_compute:
+                    step_of.setdefault((channel(a, r), a.kind.is_send), []).append(i)
+    mine = [a for a in schedule[rank] if not a.kind.is_compute]
+    count: dict[tuple, int] = {}
+    sent: list[tuple[Action, tuple, int]] = []  # (send, channel, its index on the channel)
+    out: dict[Action, list[Action]] = {}
+    for a in mine:
+        ch = channel(a, rank)
+        k = count.get((ch, a.kind.is_send), 0)
+        count[(ch, a.kind.is_send)] = k + 1
+        if a.kind.is_send:
+            sent.append((a, ch, k))
+            continue
+        peer = ch[0]
+        posted_at = step_of[(ch, True)][k]  # the peer's step that sends this message
+        done = [s for s, sch, j in sent if sch[1] == peer and step_of[(sch, False)][j] < posted_at]
+        sent = [x for x in sent if x[0] not in done]
+        out[a] = done
+    return out
