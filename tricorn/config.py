@@ -176,7 +176,10 @@ class ParallelConfig:
         None, "Layers on the last pipeline stage (uneven split).", bound=NON_NEGATIVE
     )
     pipeline_schedule: str = _f(
-        "1f1b", "Pipeline schedule (interleaved is picked automatically with virtual stages).", choices=["1f1b", "gpipe"]
+        "1f1b",
+        "Pipeline schedule (interleaved is picked automatically with virtual stages; zbv and dualpipev run 2 chunks per "
+        "rank in a V).",
+        choices=["1f1b", "gpipe", "zb-h1", "zbv", "dualpipev"],
     )
     use_distributed_optimizer: bool = _f(False, "Shard optimizer state over DP (ZeRO-1).")
     zero_stage: int = _f(1, "ZeRO stage with --use-distributed-optimizer.", choices=[1, 2, 3])
@@ -332,7 +335,7 @@ class Config:
             return p.num_virtual_stages_per_pipeline_rank
         if p.num_layers_per_virtual_pipeline_stage:
             return self.model.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
-        return 1
+        return 2 if p.pipeline_schedule in ("zbv", "dualpipev") else 1  # the V holds 2 chunks per rank
 
     @property
     def num_microbatches(self) -> int:

@@ -7,8 +7,12 @@ checks on every rank:
   copies equal after grads.reduce_tied_embedding_grads;
 - the executor ran its actions in the simulator's order and held as many microbatch
   outputs as the simulator predicts;
-- optimizer.microbatch(is_last, chunk) wrapped every backward, is_last only on each chunk's last;
-- the P2P bytes sent are the activation size times the number of sends.
+- optimizer.microbatch(is_last, chunk) wrapped every backward, is_last only on each chunk's last
+  (zero-bubble schedules: every B and every W, is_last only on each chunk's last W);
+- the P2P bytes sent are the activation size times the number of sends;
+- zero-bubble schedules (built with the tensor-parallel spec, whose linears defer their weight
+  gradients) ran W's that computed deferred gradients, and zb-h1's gradients equal 1F1B's bit for
+  bit: same stages, and every parameter accumulates its microbatches in the same order 0..m-1.
 Prints "ok" on success.
 """
 
@@ -24,10 +28,11 @@ from tricorn.model.transformer import GPTModel
 from tricorn.parallel.grads import reduce_tied_embedding_grads
 from tricorn.parallel.pipeline.build import build_model_chunks
 from tricorn.parallel.pipeline.executor import PipelineExecutor
-from tricorn.parallel.pipeline.schedules import schedule_for
+from tricorn.parallel.pipeline.schedules import V_SCHEDULES, WEIGHT, ZERO_BUBBLE, placement_of, schedule_for
 from tricorn.parallel.pipeline.simulator import simulate
 from tricorn.parallel.state import init_parallel
 from tricorn.parallel.step import StepContext
+from tricorn.parallel.tensor import tensor_parallel_spec
 from tricorn.validation import validate
 
 LOSS_SCALE = 8.0  # a power of two: scaling and unscaling are exact
@@ -87,32 +92,40 @@ def run_case(pp: int, vpp: int, m: int, kind, untied: bool, forward_only: bool) 
         f"--seq-length 16 --max-position-embeddings 16 --micro-batch-size 2 --global-batch-size {2 * m} "
         f"--pipeline-model-parallel-size {pp} --num-virtual-stages-per-pipeline-rank {vpp}"
     ).split() + (["--untie-embeddings-and-output-weights"] if untied else [])
-    if kind == "gpipe":
-        argv += ["--pipeline-schedule", "gpipe"]
+    if kind in ("gpipe", *ZERO_BUBBLE):
+        argv += ["--pipeline-schedule", kind]
     cfg = config_from_args(argv, world_size=WORLD)
     assert not validate(cfg), validate(cfg)
     state = init_parallel(cfg)
     name = f"pp{pp} vpp{vpp} m{m} {kind or 'default'}{' untied' if untied else ''}{' forward-only' if forward_only else ''}"
 
-    torch.manual_seed(0)
-    chunks = [c.double() for c in build_model_chunks(cfg, None, state.pp_rank, 1, state.device)]
-    executor = PipelineExecutor(cfg, state)
-    executor.p2p.dtype = torch.float64  # activations travel in the parameter dtype; the config has no float64
     mbs = make_microbatches(cfg, m)
     num_tokens = sum(mb.loss_mask.sum() for mb in mbs)
-    optimizer = RecordingOptimizer()
-    ctx = StepContext(optimizer, num_tokens, forward_only=forward_only)
-    with torch.no_grad() if forward_only else contextlib.nullcontext():
-        total = executor(chunks, mbs, ctx)
+    zero_bubble = kind in ZERO_BUBBLE
+    # The tensor-parallel spec (TP 1 here) is the trainer's: its linears are the ones that defer dW.
+    spec = tensor_parallel_spec(cfg, state.tp_group) if zero_bubble else None
+
+    def execute(kind_cfg):
+        torch.manual_seed(0)
+        chunks = [c.double() for c in build_model_chunks(kind_cfg, spec, state.pp_rank, 1, state.device)]
+        executor = PipelineExecutor(kind_cfg, state)
+        executor.p2p.dtype = torch.float64  # activations travel in the parameter dtype; the config has no float64
+        optimizer = RecordingOptimizer()
+        ctx = StepContext(optimizer, num_tokens, forward_only=forward_only)
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            total = executor(chunks, mbs, ctx)
+        return chunks, executor, optimizer, total
+
+    chunks, executor, optimizer, total = execute(cfg)
     ref_total, ref_params, ref_grads = reference(cfg, mbs, num_tokens)
 
     # Loss: the sum of normalised microbatch losses on the last stage, zero elsewhere.
-    want = ref_total if state.is_last_stage else 0.0
+    want = ref_total if any(executor.is_last_stage(c) for c in range(vpp)) else 0.0
     assert abs(total.item() - want) <= LOSS_REL * abs(ref_total), f"{name}: rank {state.pp_rank} loss {total.item()} vs {want}"
 
     # The executor's order and memory are the simulator's.
-    schedule = schedule_for(pp, vpp, m, None if vpp > 1 else kind, forward_only)
-    sim = simulate(schedule, pp, vpp)
+    schedule = schedule_for(pp, vpp, m, None if vpp > 1 and kind not in V_SCHEDULES else kind, forward_only)
+    sim = simulate(schedule, pp, vpp, placement=placement_of(kind), lazy_sends=True)
     assert not sim.deadlocked, sim.report()
     assert executor.order == sim.order[state.pp_rank], f"{name}: executor order differs from the simulator's"
     assert executor.peak_in_flight == sim.peak_in_flight[state.pp_rank], (
@@ -128,7 +141,17 @@ def run_case(pp: int, vpp: int, m: int, kind, untied: bool, forward_only: bool) 
         return
     for c in range(vpp):
         flags = [last for chunk, last in optimizer.calls if chunk == c]
-        assert len(flags) == m and flags[-1] and not any(flags[:-1]), f"{name}: chunk {c} is_last flags {flags}"
+        calls = 2 * m if zero_bubble else m  # a B and a W per microbatch
+        assert len(flags) == calls and flags[-1] and not any(flags[:-1]), f"{name}: chunk {c} is_last flags {flags}"
+    if zero_bubble:
+        assert executor.weights_deferred > 0, f"{name}: no weight gradient was deferred"
+        assert sum(a.kind is WEIGHT for a in executor.order) == m * vpp
+    if kind == "zb-h1":
+        one_f_one_b = config_from_args([a if a != "zb-h1" else "1f1b" for a in argv], world_size=WORLD)
+        base, _, _, base_total = execute(one_f_one_b)
+        assert torch.equal(total, base_total), f"{name}: loss differs from 1F1B's"
+        for (pname, p), q in zip(chunks[0].named_parameters(), base[0].parameters()):
+            assert torch.equal(p.grad, q.grad), f"{name}: rank {state.pp_rank} {pname} grad is not 1F1B's bit for bit"
 
     reduce_tied_embedding_grads(chunks, state, tied=not untied)
     for chunk in chunks:
@@ -150,11 +173,17 @@ CASES = {
         (2, 2, 4, None, False, False),
         (2, 2, 2, None, True, True),
         (2, 1, 3, "1f1b", False, True),
+        (2, 1, 3, "zb-h1", True, False),
+        (2, 2, 5, "zbv", True, False),
+        (2, 2, 4, "dualpipev", True, False),
+        (2, 2, 3, "zbv", True, True),
     ],
     4: [
         (4, 1, 6, "1f1b", True, False),
         (4, 1, 2, "1f1b", False, False),  # fewer microbatches than stages
         (4, 2, 8, None, False, False),
+        (4, 1, 5, "zb-h1", False, False),
+        (4, 2, 8, "dualpipev", True, False),
     ],
 }
 

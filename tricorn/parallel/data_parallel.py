@@ -382,6 +382,10 @@ class DataParallel:
     def _on_grad(self, p: nn.Parameter) -> None:
         bucket, slot = self.slot_of[id(p)]
         grad = p.grad
+        if grad is None:
+            # torch runs the hook also when a backward gives the parameter no gradient: a linear's weight whose
+            # gradient a zero-bubble W computes later (wgrad.py). The W's own backward delivers it here.
+            return
         if self.inject_inf:
             grad.view(-1)[0] = float("inf")
             self.inject_inf = False

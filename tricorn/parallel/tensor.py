@@ -49,6 +49,7 @@ from tricorn.config import Config
 from tricorn.model.init import SHARD_ATTR, ShardInfo, shard_info
 from tricorn.model.lean import cross_entropy
 from tricorn.model.spec import HeadLinear, LayerSpec, make_norm, masked_cross_entropy
+from tricorn.parallel import wgrad
 
 SEQ_DIM = 0  # hidden states are [seq, batch, hidden]
 
@@ -145,7 +146,7 @@ class _GatherLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.has_bias, ctx.param = group, bias is not None, weight  # param: the W's target (wgrad.py)
         return F.linear(_all_gather_seq(x, group), weight, bias)
 
     @staticmethod
@@ -164,7 +165,8 @@ class _GatherLinear(torch.autograd.Function):
             gather.wait()
         scatter = reduce_scatter_single(grad_shard, grad_input, group, async_op=overlap)
         grad2d = grad.reshape(-1, grad.shape[-1])
-        grad_weight = grad2d.t().matmul(gathered.view(-1, gathered.shape[-1]))  # overlaps the reduce-scatter
+        # Overlaps the reduce-scatter; or queued for a zero-bubble schedule's W (wgrad.py), which then needs no gather.
+        grad_weight = wgrad.weight_grad(ctx.param, grad2d, gathered.view(-1, gathered.shape[-1]))
         grad_bias = grad2d.sum(0) if ctx.has_bias else None
         if overlap:
             scatter.wait()
@@ -287,7 +289,7 @@ class _TPBase(nn.Module):
             return self.fp8.linear(x if sp else copy_to_tp(x, self.group), weight, bias, self.group if sp else None)
         if self.sequence_parallel and self.tp > 1:
             return _GatherLinear.apply(x, weight, bias, self.group)
-        return F.linear(copy_to_tp(x, self.group), weight, bias)
+        return wgrad.linear(copy_to_tp(x, self.group), weight, bias)
 
 
 class ColumnParallelLinear(_TPBase):
@@ -313,7 +315,7 @@ class RowParallelLinear(_TPBase):
             self.bias.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight) if self.fp8 is None else self.fp8.linear(x, self.weight, None, in_split=True)
+        out = wgrad.linear(x, self.weight) if self.fp8 is None else self.fp8.linear(x, self.weight, None, in_split=True)
         out = reduce_scatter_to_sequence(out, self.group) if self.sequence_parallel else reduce_from_tp(out, self.group)
         # The bias is added once, after the sum, not once per rank.
         return out if self.bias is None else out + self.bias

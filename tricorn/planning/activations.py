@@ -402,12 +402,20 @@ def korthikanti_layer_bytes(
 
 
 def microbatches_in_flight(layout: Layout, stage: int) -> float:
-    """Forward passes of the whole stage whose activations are alive at the stage's peak."""
+    """Forward passes of the whole stage whose activations are alive at the stage's peak.
+
+    The zero-bubble schedules hold a microbatch until its W (tricorn.parallel.pipeline.zero_bubble; the
+    simulator's peaks, tests/test_pipeline_zero_bubble.py): zb-h1 min(pp, m) on every stage, zbv 2 pp
+    half-stage chunks (pp microbatches), dualpipev 2 pp + 1 chunks."""
     p, v, m = layout.pp, layout.vpp, layout.num_microbatches
     if p == 1:
         return 1.0
     if layout.schedule == "gpipe":
         return float(m)
+    if layout.schedule == "zb-h1":
+        return float(min(p, m))
+    if layout.schedule in ("zbv", "dualpipev"):
+        return min(2 * p + (layout.schedule == "dualpipev"), 2 * m) / 2
     if v == 1:
         return float(min(p - stage, m))
     chunk_forwards = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
@@ -460,7 +468,7 @@ def other_saved_bytes(model: ModelConfig, layout: Layout, stage: int, profile: A
     total = 0.0
     if stage == 0:
         total += _ids_bytes(layout) * s * b
-    if stage == layout.pp - 1:
+    if stage == layout.head_stage:
         sp_div = tp if layout.sequence_parallel else 1
         norm = model.normalization
         total += (profile.norm_bytes(e, norm, layout.device) * h + profile.stats_bytes(norm)) * s * b / sp_div
@@ -494,7 +502,7 @@ def moe_backward_workspace(model: ModelConfig, layout: Layout) -> float:
 def loss_part_bytes(model: ModelConfig, layout: Layout, stage: int, profile: ActivationProfile = TRICORN) -> float:
     """Of ``embedding_logits_bytes``: the last stage's own part (saved final norm, head input and logits, the
     transient logit gradient and fp32 loss chunk), all released before the layers' backward starts."""
-    if stage != layout.pp - 1:
+    if stage != layout.head_stage:
         return 0.0
     s, b = model.seq_length // layout.cp, layout.micro_batch
     saved = other_saved_bytes(model, layout, stage, profile) - (_ids_bytes(layout) * s * b if stage == 0 else 0)
@@ -509,6 +517,6 @@ def embedding_logits_bytes(model: ModelConfig, layout: Layout, stage: int, profi
     total = 0.0
     if stage == 0:
         total += _ids_bytes(layout) * s * b * microbatches_in_flight(layout, 0)
-    if stage == layout.pp - 1:
+    if stage == layout.head_stage:
         total += loss_part_bytes(model, layout, stage, profile)
     return total

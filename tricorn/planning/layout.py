@@ -48,6 +48,12 @@ class Layout:
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
+    @property
+    def head_stage(self) -> int:
+        """The pipeline rank holding the final norm, the head and the loss: rank 0 on the v placement of zbv and
+        dualpipev (it holds virtual stages 0 and 2 pp - 1), else the last."""
+        return 0 if self.schedule in ("zbv", "dualpipev") else self.pp - 1
+
     def bucket_elements(self, chunk_params: float) -> int:
         """DP bucket size for a model chunk of `chunk_params` parameters (what DataParallel picks)."""
         return self.ddp_bucket_elements or default_bucket_elements(self.dp * self.cp, int(chunk_params))

@@ -190,7 +190,7 @@ def stage_param_parts(
     h, tp = model.hidden_size, layout.tp
     vocab = model.padded_vocab_size(tp)
     apart = layout.pp > 1 and layout.zero_stage >= 1
-    first, last = stage == 0, stage == layout.pp - 1
+    first, last = stage == 0, stage == layout.head_stage
     tied = not model.untie_embeddings_and_output_weights
     head: list[tuple[int, bool]] = []
     if first:
@@ -213,7 +213,7 @@ def stage_params_per_rank(model: ModelConfig, layout: Layout, stage: int, layers
     h, tp = model.hidden_size, layout.tp
     vocab = model.padded_vocab_size(tp)
     n = layers * layer_params_per_rank(model, tp, active, layout.ep, layout.etp)
-    first, last = stage == 0, stage == layout.pp - 1
+    first, last = stage == 0, stage == layout.head_stage
     if first:
         n += vocab // tp * h
         if model.position_embedding_type == "learned_absolute":
@@ -371,7 +371,7 @@ def _forward_peak_buffers(model: ModelConfig, layout: Layout, stage: int, layers
     buckets; ZeRO-3's gathered units - none on the last stage, whose peak is the loss over the logits after the
     head has been freed, elsewhere a layer and the prefetched next one."""
     gathered = 0.0
-    if layout.zero_stage >= 3 and stage != layout.pp - 1:
+    if layout.zero_stage >= 3 and stage != layout.head_stage:
         gathered = 2 * layer_params_per_rank(model, layout.tp) * bytes_per_param(layout.precision)[0]
     grads = zero_transient_grad_bytes(model, layout, stage, layers, at_backward_start=True)
     return Buffers(pipeline=_pipeline_buffer_bytes(model, layout), gradients=grads, parameters=gathered)

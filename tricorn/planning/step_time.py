@@ -258,6 +258,25 @@ def _dp_time(
     return m * (fwd + bwd)
 
 
+# The W share of a microbatch's forward + backward in the zero-bubble model: F, B (input gradient) and W
+# (weight gradients) cost about the same, as in Qi et al. (a backward is two forward-sized GEMMs per linear).
+ZB_WEIGHT_SHARE = 1 / 3
+
+
+def pipeline_bubble(per_mb: float, lay: Layout) -> float:
+    """Idle seconds per iteration of the slowest stage; ``per_mb`` is its forward + backward of one microbatch.
+
+    1F1B / interleaved: (pp - 1) per_mb / vpp. zb-h1: (pp - 1)(T_F + T_B - T_W) = (pp - 1) per_mb / 3. zbv and
+    dualpipev (2 chunks of half a stage): (pp - 1) per_mb / 6 once m >= 2 pp, zb-h1's figure below that. These
+    are the unit-time simulator's idle times (tests/test_pipeline_zero_bubble.py); gpipe is 1F1B's."""
+    p, m = lay.pp, lay.num_microbatches
+    if lay.schedule == "zb-h1":
+        return per_mb * (p - 1) * ZB_WEIGHT_SHARE
+    if lay.schedule in ("zbv", "dualpipev"):
+        return per_mb * (p - 1) * ZB_WEIGHT_SHARE / (2 if m >= 2 * p else 1)
+    return per_mb * (p - 1) / lay.vpp
+
+
 def step_time(
     model: ModelConfig, layout: Layout, cluster: Cluster, global_batch: int, features: RunFeatures = RunFeatures()
 ) -> tuple[float, dict]:
@@ -267,11 +286,12 @@ def step_time(
     per_layer = layer.total + layer.tp_comm + layer.cp_exposed + layer.ep_comm
     head = _head_time(model, lay, cluster)
     counts = stage_layer_counts(model.num_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
-    stage_times = [c * per_layer + (head if i == len(counts) - 1 else 0.0) for i, c in enumerate(counts)]
+    head_at = lay.head_stage if len(counts) == lay.pp else len(counts) - 1
+    stage_times = [c * per_layer + (head if i == head_at else 0.0) for i, c in enumerate(counts)]
     slowest = max(range(len(counts)), key=lambda i: stage_times[i])
     per_mb = stage_times[slowest]
     m, v = lay.num_microbatches, lay.vpp
-    bubble = per_mb * (lay.pp - 1) / v
+    bubble = pipeline_bubble(per_mb, lay)
     p2p = 0.0
     if lay.pp > 1:
         act_bytes = lay.micro_batch * model.seq_length / lay.cp * model.hidden_size * activation_element_bytes(lay.precision)

@@ -229,7 +229,11 @@ class MetricsLogger:
         gbs, nmb = batch_sizes or (t.global_batch_size, cfg.num_microbatches)
         f = self.flops(gbs)
         schedule = (
-            ("interleaved 1f1b" if cfg.virtual_stages > 1 else p.pipeline_schedule)
+            (
+                "interleaved 1f1b"
+                if cfg.virtual_stages > 1 and p.pipeline_schedule not in ("zbv", "dualpipev")
+                else p.pipeline_schedule
+            )
             if p.pipeline_model_parallel_size > 1
             else "none"
         )

@@ -114,8 +114,7 @@ class Trainer:
 
     def _reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
         """Sum over DP x CP (each holds part of the global batch) and PP (only the last stage has it)."""
-        if not self.state.is_last_stage:
-            local = torch.zeros_like(local)
+        # Off the loss stage the executor's sum is already zero (on the v placement the loss is on pp rank 0).
         dist.all_reduce(local, group=self.state.dp_cp_group)
         dist.all_reduce(local, group=self.state.pp_group)
         return local

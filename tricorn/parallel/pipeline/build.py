@@ -43,7 +43,7 @@ def build_model_chunks(
                 spec,
                 layer_ids=layout.layers(pp_rank, c),
                 pre_process=is_first_stage(pp_rank, c),
-                post_process=is_last_stage(pp_rank, c, layout.pp, layout.vpp),
+                post_process=is_last_stage(pp_rank, c, layout.pp, layout.vpp, layout.placement),
                 padded_vocab_size=cfg.model.padded_vocab_size(tp_size),
             )
         if hollow:

@@ -15,8 +15,18 @@ It walks the rank's action list step by step (``schedules.group_steps``):
   ``.grad`` is what SEND_BACKWARD sends. Output, input and gradients of (m, c) are dropped
   as soon as they are sent or used, so a rank holds only the activations the schedule keeps
   in flight.
-* Each run of send/recv actions is one ``batch_isend_irecv`` (``p2p.PipelineP2P``), waited
-  on before the next compute.
+* WEIGHT m,c (zero-bubble schedules): the weight gradients that the B of (m, c) left in the
+  iteration's ``wgrad.WeightGradStore``, inside ``ctx.optimizer.microbatch(is_last=<last W
+  of chunk c>, chunk=c)``. A B that has a W runs inside ``microbatch(is_last=False)`` and
+  ``store.backward_input((m, c))``: the linears queue their weight gradients instead of
+  computing them. The last W of a chunk comes after its last B, so the chunk's DP buckets
+  start their reduction only once every gradient is in.
+* On the v placement (zbv, dualpipev) the edge between the two chunks of rank pp-1 is local:
+  chunk 0's output becomes chunk 1's input (a leaf of the same storage) and chunk 1's input
+  gradient becomes chunk 0's output gradient, with no message.
+* Each run of send/recv actions is one ``batch_isend_irecv`` (``p2p.PipelineP2P``) whose
+  receives are waited on before the next compute; sends complete lazily, all of them waited
+  for before the call returns.
 
 Gradients accumulate in the parameters over all microbatches; the DP reduction, the tied
 embedding reduction and grad scaling run once afterwards in ``optimizer.finish_grad_sync``
@@ -24,15 +34,18 @@ embedding reduction and grad scaling run once afterwards in ``optimizer.finish_g
 runs under ``no_grad``.
 
 ``order`` holds the actions of the last call in the order they completed and ``peak_in_flight``
-the most microbatch outputs it held at once; tests compare both with the simulator.
+the most (microbatch, chunk) pairs it held at once (from forward to the last backward action:
+the W where there is one); tests compare both with the simulator.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tricorn.config import Config
@@ -44,14 +57,23 @@ from tricorn.parallel.pipeline.schedules import (
     RECV_BACKWARD,
     RECV_FORWARD,
     SEND_BACKWARD,
+    V_SCHEDULES,
+    WEIGHT,
     Action,
+    V,
     group_steps,
     is_first_stage,
     is_last_stage,
+    next_stage,
+    placement_of,
+    prev_stage,
     schedule_for,
+    sends_done_by,
 )
 from tricorn.parallel.pipeline.stages import layout_from_config
+from tricorn.parallel.state import world_timeout
 from tricorn.parallel.step import StepContext, new_global_batch, set_moe_aux_weight
+from tricorn.parallel.wgrad import WeightGradStore
 from tricorn.timers import PIPELINE_P2P_WAIT
 
 Key = tuple[int, int]  # (microbatch, chunk)
@@ -64,11 +86,14 @@ class _Run:
     ctx: StepContext
     microbatches: list[Batch]
     prepared: dict[int, Batch] = field(default_factory=dict)
-    inputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # received activations (leaves)
+    inputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # received activations (leaves) until their forward
+    leaves: dict[Key, torch.Tensor] = field(default_factory=dict)  # a forward's input until its backward (for .grad)
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # stage output, or the loss on the last stage
     to_send: dict[Key, torch.Tensor] = field(default_factory=dict)  # output until SEND_FORWARD (forward-only)
     output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # received gradients of the outputs
     input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # until SEND_BACKWARD
+    held: set[Key] = field(default_factory=set)  # forwarded, last backward action not yet run
+    store: Optional[WeightGradStore] = None  # the deferred weight gradients (zero-bubble schedules)
     total: Optional[torch.Tensor] = None
 
     def batch(self, m: int) -> Batch:
@@ -83,8 +108,12 @@ class PipelineExecutor:
     def __init__(self, cfg: Config, state, schedule: Optional[str] = None):
         layout = layout_from_config(cfg)
         self.pp, self.vpp, self.pp_rank = layout.pp, layout.vpp, state.pp_rank
-        # Megatron's rule: interleaved whenever there are virtual stages, else the configured one.
-        self.kind = schedule or (None if self.vpp > 1 else cfg.parallel.pipeline_schedule)
+        # Megatron's rule: interleaved whenever there are virtual stages, else the configured one; zbv and
+        # dualpipev are the schedules of the v placement's 2 chunks.
+        kind = schedule or cfg.parallel.pipeline_schedule
+        self.kind = kind if (self.vpp == 1 or kind in V_SCHEDULES) else None
+        self.placement = placement_of(self.kind)
+        assert layout.placement == self.placement, (layout.placement, self.placement)
         self.p2p = PipelineP2P(
             group=state.pp_group,
             pp_rank=self.pp_rank,
@@ -94,33 +123,53 @@ class PipelineExecutor:
             dtype=wire_dtype(cfg),
             device=state.device,
             global_rank=state.pp_global_rank,
+            placement=self.placement,
+            grad_group=_gradient_group(state) if self.placement == V else None,
         )
         self.order: list[Action] = []
-        self.peak_in_flight = 0  # most (microbatch, chunk) outputs held for a backward during the last call
+        self.peak_in_flight = 0  # most (microbatch, chunk) pairs held for a backward during the last call
+        self.weights_deferred = 0  # weight-gradient products the W's of the last call computed
 
     def actions(self, num_microbatches: int, forward_only: bool = False) -> list[Action]:
         """This rank's action list for one global batch."""
         return schedule_for(self.pp, self.vpp, num_microbatches, self.kind, forward_only)[self.pp_rank]
 
+    def is_last_stage(self, chunk: int) -> bool:
+        """Chunk ``chunk`` of this rank holds the head and the loss."""
+        return is_last_stage(self.pp_rank, chunk, self.pp, self.vpp, self.placement)
+
+    def _local(self, chunk: int, towards_next: bool) -> Optional[int]:
+        """The chunk of this rank on the other side of a local edge (the tip of the V), else None."""
+        peer = (next_stage if towards_next else prev_stage)(self.pp_rank, chunk, self.pp, self.vpp, self.placement)
+        return peer[1] if peer is not None and peer[0] == self.pp_rank else None
+
     def __call__(self, chunks: list[nn.Module], microbatches: list[Batch], ctx: StepContext) -> torch.Tensor:
         """Forward (and backward) of all microbatches; returns this rank's detached loss sum (0 off the last stage)."""
         if len(chunks) != self.vpp:
             raise ValueError(f"pipeline rank {self.pp_rank} got {len(chunks)} model chunks, the layout has {self.vpp}")
-        actions = self.actions(len(microbatches), ctx.forward_only)
-        last_backward = {a.chunk: a for a in actions if a.kind is BACKWARD}  # the final one per chunk wins
+        everyone = schedule_for(self.pp, self.vpp, len(microbatches), self.kind, ctx.forward_only)
+        actions = everyone[self.pp_rank]
+        self._done_by = sends_done_by(everyone, self.pp_rank, self.pp, self.vpp, self.placement)
+        split = any(a.kind is WEIGHT for a in actions)
+        # The final backward action of each chunk (its last W where there are W's) closes its gradients.
+        last_backward = {a.chunk: a for a in actions if a.kind is (WEIGHT if split else BACKWARD)}
         run = _Run(ctx, microbatches, total=torch.zeros((), dtype=torch.float32, device=microbatches[0].tokens.device))
-        self.order, self.peak_in_flight = [], 0
+        run.store = WeightGradStore() if split else None
+        self.order, self.peak_in_flight, self.weights_deferred = [], 0, 0
         new_global_batch(chunks)  # each chunk's first forward (microbatch 0) casts the FP8 weights again
-        with torch.set_grad_enabled(not ctx.forward_only):
+        with torch.set_grad_enabled(not ctx.forward_only), run.store.collecting() if split else contextlib.nullcontext():
             for step in group_steps(actions):
                 head = step[0]
                 if head.kind is FORWARD:
                     self._forward(chunks[head.chunk], head, run)
                 elif head.kind is BACKWARD:
-                    self._backward(head, run, is_last=last_backward[head.chunk] == head)
+                    self._backward(head, run, is_last=not split and last_backward[head.chunk] == head)
+                elif head.kind is WEIGHT:
+                    self._weight(head, run, is_last=last_backward[head.chunk] == head)
                 else:
                     self._communicate(step, run)
                 self.order.extend(step)
+            self.p2p.complete_sends()
         return run.total
 
     # ------------------------------------------------------------ compute
@@ -128,33 +177,51 @@ class PipelineExecutor:
     def _forward(self, model: nn.Module, a: Action, run: _Run) -> None:
         key = (a.microbatch, a.chunk)
         mb = run.batch(a.microbatch)
-        last = is_last_stage(self.pp_rank, a.chunk, self.pp, self.vpp)
-        x = mb.tokens if is_first_stage(self.pp_rank, a.chunk) else run.inputs[key]
+        last = self.is_last_stage(a.chunk)
+        x = mb.tokens if is_first_stage(self.pp_rank, a.chunk) else run.inputs.pop(key)
         out = model(x, mb.labels if last else None, mb.sample_ids)
         if last:
             out = (out * mb.loss_mask).sum() / run.ctx.num_tokens
             run.total += out.detach().float()
         else:
-            run.to_send[key] = out
-        if run.ctx.forward_only:
-            run.inputs.pop(key, None)
-        else:
+            nxt = self._local(a.chunk, towards_next=True)
+            if nxt is None:
+                run.to_send[key] = out
+            else:  # the tip of the V: the next chunk's input, a leaf over the same storage
+                run.inputs[(a.microbatch, nxt)] = out.detach().requires_grad_(not run.ctx.forward_only)
+        if not run.ctx.forward_only:
             run.outputs[key] = out
-            self.peak_in_flight = max(self.peak_in_flight, len(run.outputs))
+            run.leaves[key] = x
+            run.held.add(key)
+            self.peak_in_flight = max(self.peak_in_flight, len(run.held))
 
     def _backward(self, a: Action, run: _Run, is_last: bool) -> None:
         key = (a.microbatch, a.chunk)
         out = run.outputs.pop(key)
         set_moe_aux_weight(run.ctx, run.batch(a.microbatch))
-        with run.ctx.optimizer.microbatch(is_last=is_last, chunk=a.chunk):
-            if is_last_stage(self.pp_rank, a.chunk, self.pp, self.vpp):
+        deferred = run.store.backward_input(key) if run.store is not None else contextlib.nullcontext()
+        with run.ctx.optimizer.microbatch(is_last=is_last, chunk=a.chunk), deferred:
+            if self.is_last_stage(a.chunk):
                 run.ctx.optimizer.scale_loss(out).backward()
             else:
                 grad = run.output_grads.pop(key)
                 torch.autograd.backward(out, grad.to(out.dtype))
-        x = run.inputs.pop(key, None)
+        x = run.leaves.pop(key)
+        if run.store is None:
+            run.held.discard(key)
         if not is_first_stage(self.pp_rank, a.chunk):
-            run.input_grads[key] = x.grad
+            prev = self._local(a.chunk, towards_next=False)
+            if prev is None:
+                run.input_grads[key] = x.grad
+            else:
+                run.output_grads[(a.microbatch, prev)] = x.grad
+
+    def _weight(self, a: Action, run: _Run, is_last: bool) -> None:
+        key = (a.microbatch, a.chunk)
+        assert run.store is not None
+        with run.ctx.optimizer.microbatch(is_last=is_last, chunk=a.chunk):
+            self.weights_deferred += run.store.run(key)
+        run.held.discard(key)
 
     # ------------------------------------------------------------ communication
 
@@ -168,9 +235,25 @@ class PipelineExecutor:
                 outgoing[a] = store.pop(key)
         with run.ctx.timers(PIPELINE_P2P_WAIT):
             received = self.p2p.exchange(step, outgoing)
+            for a in received:  # the sends these receives prove done: their buffers go now
+                self.p2p.complete_sends(self._done_by.get(a, []))
         for a, tensor in received.items():
             key = (a.microbatch, a.chunk)
             if a.kind is RECV_FORWARD:
                 run.inputs[key] = tensor.requires_grad_(not run.ctx.forward_only)
             elif a.kind is RECV_BACKWARD:
                 run.output_grads[key] = tensor
+
+
+def _gradient_group(state) -> dist.ProcessGroup:
+    """A second group over each pipeline's ranks: the gradients' own FIFO channel on the v placement.
+
+    A collective of the whole world (every rank builds its executor at the same point), with the world's timeout.
+    Under the fake backend (``tricorn simulate``: one rank of the world, no messages) the pipeline group serves."""
+    if dist.get_backend() == "fake":
+        return state.pp_group
+    mesh = state.mesh.mesh
+    pp_dim = state.mesh.mesh_dim_names.index("pp")
+    pipelines = mesh.movedim(pp_dim, -1).reshape(-1, mesh.shape[pp_dim]).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(pipelines, timeout=world_timeout())
+    return group

@@ -3,7 +3,9 @@
 Layers are contiguous per virtual stage, and virtual stages are numbered as in Megatron:
 model chunk ``c`` on pipeline rank ``r`` is virtual stage ``c * pp + r``. So with 8 layers,
 pp=2 and 2 chunks per rank, rank 0 holds layers 0-1 (chunk 0) and 4-5 (chunk 1), rank 1
-holds 2-3 and 6-7. The embedding lives on virtual stage 0 and the final norm, head and loss
+holds 2-3 and 6-7. On the v placement (``--pipeline-schedule zbv`` or ``dualpipev``) rank
+``r`` holds stages ``r`` and ``2 pp - 1 - r``: rank 0 holds layers 0-1 and 6-7, rank 1
+2-3 and 4-5. The embedding lives on virtual stage 0 and the final norm, head and loss
 on the last virtual stage (``schedules.is_first_stage`` / ``is_last_stage``).
 
 Splits:
@@ -19,10 +21,20 @@ No collectives and no device work happen here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from tricorn.parallel.pipeline.schedules import ScheduleError, check_interleaving, virtual_stage
+from tricorn.parallel.pipeline.schedules import (
+    LOOP,
+    V_SCHEDULES,
+    ZERO_BUBBLE,
+    ScheduleError,
+    placement_of,
+    schedule_for,
+    stage_owner,
+    virtual_stage,
+)
 
 
 class StageSplitError(ValueError):
@@ -44,10 +56,11 @@ class StageLayout:
     pp: int
     vpp: int
     counts: tuple[int, ...]
+    placement: str = LOOP  # schedules.LOOP or schedules.V: which rank holds which virtual stage
 
     def layers(self, pp_rank: int, chunk: int = 0) -> range:
         """Global layer ids of model chunk ``chunk`` on pipeline rank ``pp_rank``."""
-        vs = virtual_stage(pp_rank, chunk, self.pp)
+        vs = virtual_stage(pp_rank, chunk, self.pp, self.placement)
         start = sum(self.counts[:vs])
         return range(start, start + self.counts[vs])
 
@@ -63,7 +76,7 @@ class StageLayout:
         for vs, n in enumerate(self.counts):
             end += n
             if layer < end:
-                return vs % self.pp, vs // self.pp
+                return stage_owner(vs, self.pp, self.placement)
         raise AssertionError("counts do not sum to num_layers")
 
 
@@ -117,7 +130,7 @@ def _virtual_stages(cfg: Any) -> tuple[int, list[str]]:
         return v, [] if v >= 1 else [f"{_VPP_STAGES} must be at least 1, got {v}"]
     n = p.num_layers_per_virtual_pipeline_stage
     if n is None:
-        return 1, []
+        return (2 if p.pipeline_schedule in V_SCHEDULES else 1), []
     if n < 1:
         return 1, [f"{_VPP_LAYERS} must be at least 1, got {n}"]
     if p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None:
@@ -133,13 +146,14 @@ def layout_from_config(cfg: Any) -> StageLayout:
     if errs:
         raise StageSplitError(errs[0])
     p = cfg.parallel
-    return stage_layout(
+    layout = stage_layout(
         cfg.model.num_layers,
         p.pipeline_model_parallel_size,
         vpp,
         p.decoder_first_pipeline_num_layers,
         p.decoder_last_pipeline_num_layers,
     )
+    return dataclasses.replace(layout, placement=placement_of(p.pipeline_schedule))
 
 
 def validate_pipeline(cfg: Any) -> list[str]:
@@ -157,15 +171,46 @@ def validate_pipeline(cfg: Any) -> list[str]:
         errs.append(str(e))
     if vpp > 1 and pp == 1:
         errs.append(f"virtual pipeline stages need {_PP} > 1, got {vpp} chunks on 1 rank")
-    if vpp > 1 and p.pipeline_schedule == "gpipe":
-        errs.append(f"--pipeline-schedule gpipe has no interleaved form; drop it or the virtual stages ({vpp} chunks per rank)")
-    if vpp > 1 and pp > 1:
-        errs += _interleaving_batch_errors(cfg, pp, vpp)
+    kind = p.pipeline_schedule
+    if vpp > 1 and kind in ("gpipe", "zb-h1"):
+        errs.append(f"--pipeline-schedule {kind} has no interleaved form; drop it or the virtual stages ({vpp} chunks per rank)")
+    elif kind in ZERO_BUBBLE:
+        errs += _zero_bubble_errors(cfg, kind, pp, vpp)
+    if not errs and pp > 1 and (vpp > 1 or kind in ZERO_BUBBLE):
+        errs += _batch_errors(cfg, pp, vpp)
     return errs
 
 
-def _interleaving_batch_errors(cfg: Any, pp: int, vpp: int) -> list[str]:
-    """Every global batch size the run uses (ramp-up included) must give a microbatch count divisible by pp."""
+def _zero_bubble_errors(cfg: Any, kind: str, pp: int, vpp: int) -> list[str]:
+    """What the zero-bubble schedules need of the layout and of the rest of the run."""
+    p = cfg.parallel
+    if pp < 2:
+        return [f"--pipeline-schedule {kind} needs {_PP} >= 2"]
+    if kind in V_SCHEDULES:
+        if vpp != 2:
+            return [
+                f"--pipeline-schedule {kind} runs 2 model chunks per rank in a V; drop {_VPP_STAGES} / {_VPP_LAYERS} or set 2"
+            ]
+        if p.decoder_first_pipeline_num_layers is not None or p.decoder_last_pipeline_num_layers is not None:
+            return [f"--pipeline-schedule {kind} needs an even layer split over the 2 x {pp} stages; drop {_FIRST} / {_LAST}"]
+        if not cfg.model.untie_embeddings_and_output_weights:
+            return [
+                f"--pipeline-schedule {kind} puts the embedding and the head on pipeline rank 0 as two chunks; "
+                "add --untie-embeddings-and-output-weights"
+            ]
+    if p.zero_stage_in_effect > 1:
+        return [f"--pipeline-schedule {kind} defers weight gradients past the backward; it runs with --zero-stage 1 only"]
+    if cfg.model.transformer_impl == "transformer_engine":
+        return [f"--pipeline-schedule {kind} defers the weight gradients of tricorn's linears; use --transformer-impl local"]
+    if cfg.model.torch_compile:
+        return [f"--pipeline-schedule {kind} splits each backward in two; it does not combine with --torch-compile"]
+    if cfg.training.fp8_format:
+        return [f"--pipeline-schedule {kind} defers the linears' weight gradients, which the FP8 GEMMs do not; drop --fp8-format"]
+    return []
+
+
+def _batch_errors(cfg: Any, pp: int, vpp: int) -> list[str]:
+    """Every global batch size the run uses (ramp-up included) must give a microbatch count the schedule can run."""
     from tricorn.parallel.batch_schedule import BatchScheduleError, rampup_batch_sizes
 
     t = cfg.training
@@ -177,16 +222,24 @@ def _interleaving_batch_errors(cfg: Any, pp: int, vpp: int) -> list[str]:
         sizes = rampup_batch_sizes(t.rampup_batch_size, t.global_batch_size) if t.rampup_batch_size else [t.global_batch_size]
     except BatchScheduleError:
         sizes = [t.global_batch_size]  # validate_rampup reports the ramp itself
+    kind = cfg.parallel.pipeline_schedule
+    kind = kind if kind in ZERO_BUBBLE else None
     for size in sizes:
         if size % micro_dp != 0:
             continue  # reported by the divisibility checks
         try:
-            check_interleaving(pp, vpp, size // micro_dp)
+            schedule_for(pp, vpp, size // micro_dp, kind)
         except ScheduleError:
             what = "ramp-up global batch size" if size != t.global_batch_size else "--global-batch-size"
+            name = kind or "interleaved"
+            if kind is None:
+                rule, fix = f"microbatches divisible by {_PP} {pp}", f"that are multiples of {pp * micro_dp}"
+            else:
+                need = 2 * pp if kind == "dualpipev" else pp
+                rule, fix = f"at least {need} microbatches", f"of at least {need * micro_dp}"
             return [
-                f"the interleaved schedule needs microbatches divisible by {_PP} {pp}: {what} {size} / "
+                f"the {name} schedule needs {rule}: {what} {size} / "
                 f"(--micro-batch-size {t.micro_batch_size} x DP {dp}) = {size // micro_dp} microbatches; "
-                f"use global batch sizes that are multiples of {pp * micro_dp}"
+                f"use global batch sizes {fix}"
             ]
     return []
