@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
-from tricorn.parallel.pipeline.schedules import BACKWARD, FORWARD, WEIGHT, Action, ScheduleError, V, _check_sizes, _with_comms
+from tricorn.parallel.pipeline.actions import BACKWARD, FORWARD, WEIGHT, Action, ScheduleError, V, _check_sizes, _with_comms
 
 
 def _steps(actions: list[Action]) -> list[list[Action]]:
