@@ -12,6 +12,8 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -171,8 +173,12 @@ def test_srun_prints_once_and_the_others_wait(tmp_path, monkeypatch, task):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("SLURM_PROCID", task)
     monkeypatch.setenv("SLURM_NTASKS", "2")
-    slept = []
-    monkeypatch.setattr(launch_errors.time, "sleep", slept.append)
+    slept, real_sleep, main_thread = [], time.sleep, threading.get_ident()
+
+    def sleep(seconds: float) -> None:  # this thread's sleeps; a thread an earlier test left behind sleeps for real
+        slept.append(seconds) if threading.get_ident() == main_thread else real_sleep(seconds)
+
+    monkeypatch.setattr(launch_errors.time, "sleep", sleep)
     code, stderr = run_main(BASE_FLAGS + ["--tensor-model-parallel-size", "0"], tmp_path)
     assert code == 2
     if task == "0":
