@@ -51,9 +51,12 @@ def new_global_batch(chunks: list[nn.Module]) -> None:
     """Before a global batch's first microbatch: modules that cache per-batch work (Transformer Engine's FP8
     weight casts, tricorn/parallel/te.py) redo it once, since the weights changed at the last step."""
     for chunk in chunks:
-        for module in chunk.modules():
-            if hasattr(module, "new_global_batch"):
-                module.new_global_batch()
+        # Found once per chunk, not by walking every module each step (the modules of a chunk never change).
+        cachers = chunk.__dict__.get("_batch_cachers")
+        if cachers is None:
+            cachers = chunk.__dict__["_batch_cachers"] = [m for m in chunk.modules() if hasattr(m, "new_global_batch")]
+        for module in cachers:
+            module.new_global_batch()
 
 
 def forward_backward_no_pipelining(chunks: list[nn.Module], microbatches: list[Batch], ctx: StepContext) -> torch.Tensor:

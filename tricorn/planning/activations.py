@@ -78,7 +78,8 @@ recompute the checkpointed MLP's input (the norm output) is rebuilt from the nor
 instead of kept; and with selective ``core_attn`` recompute the graph keeps the default generator's state for
 the replayed SDPA (``rng_state``: SDPA is tagged nondeterministic for its dropout_p, so the partitioner saves
 the state it restores) - 5,056 uint8 bytes on CPU (torch.get_rng_state()), 16 on CUDA (seed and offset).
-The probe equals the compile-mode estimate to the byte at every layout tests/test_compile.py runs.
+The probe equals the compile-mode estimate to the byte at every dense layout tests/test_compile.py runs (MoE:
+against the eager run's bytes, which depend on the routing).
 
 Native FP8, tensorwise (``fp8_inputs``; tricorn/parallel/fp8.py): each FP8 linear keeps a 1-byte FP8 copy of
 its input and two fp32 scales instead of its bf16 input. linear_inputs: 1 byte per element for QKV's and w1's
