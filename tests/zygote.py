@@ -18,6 +18,7 @@ argv/env/cwd/output paths; the server answers with the pids, then, once all have
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import runpy
@@ -55,6 +56,11 @@ def _warm_imports() -> None:
 
 
 _warm_imports()
+# Move everything imported so far into the collector's permanent generation: a fork's gc.collect() (the
+# trainer runs one at teardown, tricorn/parallel/state.py) then skips torch's ~1M objects instead of
+# walking them, and touching their headers no longer copies the server's pages into every rank.
+# Measured on a forked tiny run: 0.59 -> 0.28 CPU-seconds.
+gc.freeze()
 
 
 def _child(req: dict) -> int:
