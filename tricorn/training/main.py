@@ -221,7 +221,6 @@ def _train(cfg: Config, state, exits) -> int:
     from tricorn.data.errors import DataError
     from tricorn.training.logging import MetricsLogger
     from tricorn.training.loop import NaNError
-
     from tricorn.training.watchdog import Watchdog
 
     logger = MetricsLogger(cfg, state.rank, state.device)

@@ -33,8 +33,9 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -200,7 +201,7 @@ class Judge:
     def _waiting_groups(self, stuck: set[int]) -> str:
         """The groups (name and ranks) that waiters are blocked in and that hold a stuck rank."""
         found: dict[str, str] = {}
-        others = []
+        others, broken = [], []
         for r, s in sorted(self.seen.items()):
             if r in stuck or s.record.done:
                 continue
@@ -208,9 +209,13 @@ class Judge:
             members = _ranks_of(group)
             if group and members & stuck:
                 found.setdefault(group.replace(" ", " group [", 1) + "]", op)
+            elif s.record.failed:
+                broken.append(r)
             elif op:
                 others.append(r)
         text = ", ".join(f"the {g.replace(',', ', ')} in {op}" for g, op in found.items())
+        if broken:
+            text += (", " if text else "") + f"ranks {_span(broken)} (their collective failed: a peer is gone)"
         if others:
             text += (", " if text else "") + f"ranks {_span(others)} (waiting in collectives or at a sync)"
         return text or "no rank is waiting in a collective yet"
