@@ -1,7 +1,8 @@
 """Test hook: make a rank fail inside the step, as a dead, stopped or stuck rank does in production.
 
-``TRICORN_TEST_FAULT="RANK:ITERATION:KIND[,...]"`` (an environment variable, never a flag: nothing a user runs
-sets it) makes global rank RANK, at the start of iteration ITERATION's forward/backward, do KIND:
+``TRICORN_TEST_FAULT="RANK:ITERATION:KIND[:RESTART][,...]"`` (an environment variable, never a flag: nothing a
+user runs sets it) makes global rank RANK, at the start of iteration ITERATION's forward/backward, do KIND; with
+RESTART, only in the run whose $SLURM_RESTART_COUNT (0 when unset) is RESTART (a requeued job does not repeat it):
 
 - ``kill``: SIGKILL itself (a crashed process, an OOM kill);
 - ``stop``: SIGSTOP itself (a frozen process: no thread runs, not even the heartbeat). A reaper process then
@@ -43,11 +44,13 @@ os.kill(target, 9)
 def planned() -> dict[tuple[int, int], str]:
     """(rank, iteration) -> kind, from $TRICORN_TEST_FAULT."""
     out = {}
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
     for item in filter(None, os.environ.get(ENV, "").split(",")):
-        rank, iteration, kind = item.split(":")
+        rank, iteration, kind, *only = item.split(":")
         if kind not in KINDS:
             raise ValueError(f"{ENV}: unknown kind {kind!r}; use one of {', '.join(KINDS)}")
-        out[(int(rank), int(iteration))] = kind
+        if not only or only[0] == restart:
+            out[(int(rank), int(iteration))] = kind
     return out
 
 
