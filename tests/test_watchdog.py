@@ -8,6 +8,7 @@ NCCL lines are recorded from real runs (torch's ProcessGroupNCCL.cpp watchdog, c
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -145,9 +146,9 @@ def _hang_line(err: str) -> str:
 
 
 def test_stopped_rank_is_named_and_the_last_checkpoint_resumes_bitwise(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    flags = FLAGS + ["--save", str(ckpt), "--save-interval", "2"]
-    ranks, ended = _launch(flags, 2, tmp_path / "hang", "1:4:stop")
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    flags = FLAGS + ["--save", str(ckpt), "--save-interval", "3", "--metrics-file", str(metrics)]
+    ranks, ended = _launch(flags, 2, tmp_path / "hang", "1:5:stop")
     (code0, _, err0), (code1, _, err1) = ranks
     assert code0 == HANG_ERROR and code1 == -9, (code0, code1, err0[-2000:])  # rank 1: SIGKILLed by the reaper
     # The survivor left within the timeout and 30 s of the stop (the heartbeats stopped then).
@@ -155,12 +156,13 @@ def test_stopped_rank_is_named_and_the_last_checkpoint_resumes_bitwise(tmp_path:
     line = _hang_line(err0)
     assert re.search(r"hang: rank 1 \(iteration \d, .*\) sent no heartbeat for \d+s", line), line
     assert "waiting on it: the dp group [0, 1] in all_reduce" in line and "logs: rank 1: " in line, line
-    # The checkpoint of iteration 2 is the last complete one (4 was never reached); resuming from it equals an
-    # uninterrupted run bitwise: the same ops on the same data in the same order.
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    resumed = run_layout(FLAGS + ["--load", str(ckpt)], 2, tmp_path / "resumed")
-    straight = run_layout(FLAGS, 2, tmp_path / "straight")
-    assert resumed.losses == straight.losses[2:] and resumed.grad_norms == straight.grad_norms[2:]
+    # The checkpoint of iteration 3 is the last complete one; resumed from it, iteration 4 is the interrupted
+    # run's own iteration 4, bitwise (model, optimizer, data position and RNG all came back).
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    first = [json.loads(x) for x in metrics.read_text().splitlines()]
+    resumed = run_layout(with_flag(FLAGS, "--train-iters", "4") + ["--load", str(ckpt)], 2, tmp_path / "resumed")
+    assert [r["iteration"] for r in first] == [1, 2, 3, 4] and len(resumed.records) == 1
+    assert (resumed.losses[0], resumed.grad_norms[0]) == (first[3]["loss"], first[3]["grad_norm"])
 
 
 def test_rank_stuck_in_python_of_tp2_dp2_is_named_with_its_groups(tmp_path: Path) -> None:
