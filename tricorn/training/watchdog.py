@@ -277,6 +277,7 @@ class Watchdog:
         self._judge: Optional[Judge] = None
         self._threads: list[threading.Thread] = []
         self._warned = False
+        self._rank0_done = False  # rank 0 stopped its watchdog (finished): its silence is not a hang
 
     # ------------------------------------------------------------ lifecycle
 
@@ -300,6 +301,8 @@ class Watchdog:
         self.record.done = True
         try:
             self._set_own()
+            if self.rank == 0:  # the verdict stops changing now, and the store may go: not a hang of rank 0
+                self.store.set(VERDICT_KEY, "done|")
         except Exception:  # rank 0's store may already be gone at the end of a run: nothing to tell then
             pass
 
@@ -363,6 +366,7 @@ class Watchdog:
         if not self.store.check([VERDICT_KEY]):
             return
         beat, line = self.store.get(VERDICT_KEY).decode().split("|", 1)
+        self._rank0_done = beat == "done"
         if beat != self._verdict_seen[0]:
             self._verdict_seen = (beat, time.monotonic())
         if line:
@@ -370,7 +374,7 @@ class Watchdog:
 
     def _guard_loop(self) -> None:
         while not self._stop.wait(self.interval):
-            if self.rank == 0 or self.line is not None:
+            if self.rank == 0 or self.line is not None or self._rank0_done:
                 continue
             now = time.monotonic()
             quiet = now - min(self._last_exchange, self._verdict_seen[1])
