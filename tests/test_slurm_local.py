@@ -8,7 +8,9 @@ the machine cannot run slurmd at all (not Linux, not root, or the packages can b
 read ``scontrol show job`` fields, signal the batch shell, requeue. The main test sbatches the CPU variant of
 a generated script running the real pretrain_gpt.py on 2 tasks, signals it with ``scancel --batch
 --signal=USR1`` (what ``--signal=B:USR1@180`` does before the time limit) and checks the whole cycle: trained
-and checkpointed, saved on the signal, requeued, resumed from that checkpoint and finished. About 40 s.
+and checkpointed, saved on the signal, requeued, resumed from that checkpoint; then rank 1 is SIGKILLed
+(tricorn/training/faults.py), the script requeues on the failure with its cause, and the third run resumes from
+the last checkpoint and finishes. About 55 s on an idle machine.
 """
 
 from __future__ import annotations
