@@ -4,8 +4,10 @@ Three figures (issue 32):
 
 1. **Heartbeat overhead.** Two gloo ranks (DP 2) of one trainer run blocks of iterations with the heartbeat and
    watchdog on (tricorn/training/watchdog.py started) and off (not started), alternating on/off every block so a
-   busy machine hits both alike; printed: median step time on / off (goal <= 1.01), at the default hang
-   timeout (10 min: a beat every 5 s) and at a 3 s one (a beat every 0.3 s, ~30x more store traffic).
+   busy machine hits both alike; printed: the median over block pairs of median step on / off (goal <= 1.01),
+   at the default hang timeout (10 min: a beat every 5 s) and at a 3 s one (a beat every 0.3 s, ~17x more store
+   traffic); and the wall time one beat takes on rank 0 (publish, read all records, judge, publish the verdict)
+   over the beat interval: the most of a step the heartbeat can take, whatever the load.
 2. **SIGSTOP to the last exit.** Two real ranks with --hang-timeout-minutes 10 s; rank 1 SIGSTOPs itself at
    iteration 5 (TRICORN_TEST_FAULT): seconds from the stop to the survivor's exit (75).
 3. **Requeue to resumed.** On the local SLURM (scripts/slurm_local/start.sh; root only), the CPU variant of a
@@ -73,25 +75,41 @@ def overhead_rank(blocks: int, block_iters: int, hang_minutes: float) -> None:
     for _ in range(3):  # warm-up: allocator, first-iteration costs
         trainer.run_iteration()
     times: dict[str, list[float]] = {"on": [], "off": []}
+    pairs = []  # per pair of neighbouring blocks: median step on / off (the machine's load drifts slower than that)
     for b in range(blocks):
+        medians = {}
         for mode in ("on", "off") if b % 2 == 0 else ("off", "on"):
             watchdog = None
             if mode == "on":
                 watchdog = Watchdog(cfg, state).start()
                 watchdog.iteration = lambda: trainer.iteration
+            block = []
             for _ in range(block_iters):
                 start = time.perf_counter()
                 trainer.run_iteration()
-                times[mode].append(time.perf_counter() - start)
+                block.append(time.perf_counter() - start)
             if watchdog is not None:
                 watchdog.stop()
+            times[mode] += block
+            medians[mode] = statistics.median(block)
+        pairs.append(medians["on"] / medians["off"])
     trainer.optimizer.wait_all()
+    beat = beat_cost(Watchdog(cfg, state), state.rank)  # both ranks: rank 0 judges, rank 1 reads the verdict
     if state.rank == 0:
         on, off = statistics.median(times["on"]), statistics.median(times["off"])
-        print(f"RESULT {on / off:.4f} {on * 1e3:.2f} {off * 1e3:.2f}", flush=True)
+        print(f"RESULT {statistics.median(pairs):.4f} {on * 1e3:.2f} {off * 1e3:.2f} {beat * 1e6:.1f}", flush=True)
     trainer.optimizer.close()
     logger.close()
     destroy_parallel(clean_exit=True)
+
+
+def beat_cost(watchdog, rank: int, beats: int = 200) -> float:
+    """Seconds one beat holds its thread (and so, at worst, the GIL): publish, then judge (rank 0) or read."""
+    start = time.perf_counter()
+    for _ in range(beats):
+        watchdog._publish()
+        watchdog._judge_all() if rank == 0 else watchdog._read_verdict()
+    return (time.perf_counter() - start) / beats
 
 
 def overhead(blocks: int, block_iters: int, hang_minutes: float) -> str:
@@ -100,11 +118,17 @@ def overhead(blocks: int, block_iters: int, hang_minutes: float) -> str:
     cmd += ["--block-iters", str(block_iters)]
     procs = [subprocess.Popen(cmd, env=_env(r, 2, port), stdout=subprocess.PIPE, text=True) for r in range(2)]
     out = [p.communicate(timeout=1800)[0] for p in procs]
-    found = re.search(r"RESULT (\S+) (\S+) (\S+)", out[0])
+    found = re.search(r"RESULT (\S+) (\S+) (\S+) (\S+)", out[0])
     if not found:
         raise SystemExit(f"overhead run failed: {out}")
-    ratio, on, off = found.groups()
-    return f"heartbeat+watchdog on / off, median step (hang timeout {hang_minutes:g} min): {ratio} ({on} ms / {off} ms)"
+    ratio, on, off, beat_us = found.groups()
+    from tricorn.training.watchdog import beat_interval
+
+    share = float(beat_us) * 1e-6 / beat_interval(hang_minutes * 60)
+    return (
+        f"hang timeout {hang_minutes:g} min: median step on / off {ratio} ({on} ms / {off} ms); one beat on rank 0 "
+        f"{beat_us} us every {beat_interval(hang_minutes * 60):g} s = {share:.2e} of the wall time"
+    )
 
 
 # ---------------------------------------------------------------- 2. SIGSTOP -> last exit
