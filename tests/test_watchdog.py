@@ -189,3 +189,13 @@ def test_killed_rank_is_named_a_few_beats_after_its_peer_sees_the_connection_clo
     line = _hang_line(err0)
     assert re.search(r"hang: rank 1 \(iteration \d, .*\) sent no heartbeat for \ds", line), line
     assert "ranks 0 (their collective failed: a peer is gone)" in line, line
+
+
+def test_stopped_rank_0_is_named_by_rank_1_from_the_silence_of_its_store(tmp_path: Path) -> None:
+    ranks, ended = _launch(FLAGS, 2, tmp_path, "0:3:stop")
+    (code0, _, err0), (code1, _, err1) = ranks
+    assert code0 == -9 and code1 == HANG_ERROR, (code0, code1, err1[-2000:])
+    assert ended - _fault_time(err0) < T_MIN * 60 + 30
+    line = _hang_line(err1)  # rank 0 cannot print: rank 1 does
+    assert line.startswith("tricorn: error: hang: rank 0 sent no heartbeat for "), line
+    assert re.search(r"rank 1 at iteration 3, tricorn/\S+ \w+, waiting in all_reduce over dp 0,1;", line), line

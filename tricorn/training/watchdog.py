@@ -382,9 +382,11 @@ class Watchdog:
                 self._conclude(self._rank0_gone(quiet), prints=self.rank == 1)
 
     def _rank0_gone(self, quiet: float) -> str:
+        here = self._sample()
+        waits = f", waiting in {here.op}" + (f" over {here.group}" if here.group else "") if here.op else ""
         return (
             f"hang: rank 0 sent no heartbeat for {quiet:.0f}s (killed, stopped, or its host is lost; it hosts the "
-            f"job's TCPStore); rank {self.rank} at iteration {self.iteration()}, {self._sample().phase}; "
+            f"job's TCPStore); rank {self.rank} at iteration {self.iteration()}, {here.phase}{waits}; "
             f"logs: rank 0's stderr or --log-dir on MASTER_ADDR {os.environ.get('MASTER_ADDR', '?')}; every rank "
             f"exits {HANG_ERROR} (--hang-timeout-minutes {self.timeout_s / 60:g}); resume from the last checkpoint "
             "with --load"
