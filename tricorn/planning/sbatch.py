@@ -128,9 +128,10 @@ _NCCL_BLOCK = """\
 #   NCCL_NVLS_ENABLE=0             turn NVLink SHARP off where the fabric manager does not support it
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # A stuck or dead rank (docs/reliability.md#hangs): tricorn's watchdog names it and every rank exits 75 after
-# --hang-timeout-minutes (default: --distributed-timeout-minutes). torch's default (1) would make NCCL's own
-# watchdog SIGABRT the process at that timeout (exit 134, no Python line); 2 aborts the communicators and lets the
-# process live, so the collective raises (one line) or the watchdog reports, and this script requeues on 75.
+# --hang-timeout-minutes (8 in ARGS, below the 10-minute --distributed-timeout-minutes, so it comes first;
+# EXTRA_ARGS overrides it). torch's default (3) and 1 make NCCL's own watchdog tear the process down at the distributed timeout
+# (SIGABRT, exit 134, no Python line); 2 only aborts the communicators: the collective raises (one line) or the
+# watchdog reports, and this script requeues on 75.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-2}
 # Flight recorder: each rank keeps its last 2000 collectives and dumps them on a NCCL timeout into the run's logs
 # (TORCH_FR_DUMP_TEMP_FILE is torch 2.13's name, TORCH_NCCL_DEBUG_INFO_TEMP_FILE the older one it still reads).
@@ -139,7 +140,7 @@ export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$LOG_DIR/nccl_trace_rank_}
 export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$TORCH_FR_DUMP_TEMP_FILE}
 # NCCL's heartbeat monitor kills a rank whose NCCL watchdog thread is itself stuck (a hung CUDA call); torch's 480 s
-# would beat tricorn's 10-minute default, so it waits 15 minutes (keep it above --hang-timeout-minutes).
+# would come before tricorn's watchdog, so it waits 15 minutes (keep it above --hang-timeout-minutes).
 export TORCH_NCCL_ENABLE_MONITORING=${TORCH_NCCL_ENABLE_MONITORING:-1}
 export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC:-900}
 # One hardware queue per device keeps TP/SP communication kernels in issue order with the compute (Megatron).
@@ -194,6 +195,7 @@ ARGS=(
     --load "$CKPT_DIR"
     --exit-signal-handler
     --exit-signal SIGUSR1
+    --hang-timeout-minutes 8
     --tensorboard-dir "$TB_DIR"
     --log-dir "$LOG_DIR"
     --data-cache-path "$DATA_CACHE_DIR"
