@@ -8,8 +8,9 @@ Every rank runs two daemon threads from `Watchdog.start()` until `stop()`:
   store, reads every rank's record with one ``multi_get`` and publishes the judgement under ``tricorn/hb/verdict``;
   every other rank reads that one key. One store write and one read per beat and rank, a beat being a tenth of the
   hang timeout (between 0.2 s and 5 s), so a few per iteration of a real run and N + 1 reads per beat on rank 0.
-- the **guard thread** does no I/O: it judges the table (rank 0), or notices that rank 0's verdict stopped changing
-  or that the store stopped answering (every other rank: rank 0 is stopped, dead or its host is gone).
+- the **guard thread** does no I/O: on every rank but 0 it notices that rank 0's verdict stopped changing or that
+  the store stopped answering for the hang timeout (rank 0 is stopped, dead or its host is gone), which the beat
+  thread, blocked in a store call, could not.
 
 A rank is stuck when, for the hang timeout, either its beats stopped (SIGKILL, SIGSTOP, a lost host, a C call that
 holds the GIL) or its progress (iteration, stack position) stopped while it waits on nobody: not inside a
@@ -21,7 +22,11 @@ The verdict is one line (rank 0 prints it; another rank prints only when rank 0 
 the stopped ranks with their iteration, phase and collective, the groups that wait on them (tp/pp/dp/cp/ep and
 their ranks) and where their logs are; then every rank leaves with HANG_ERROR through ``os._exit`` (the main
 thread is blocked and cannot unwind). $TRICORN_EXIT_REPORT, when set (the sbatch scripts set it), receives
-``HANG_ERROR line`` from the printing rank, so the batch script can requeue with the cause.
+``HANG_ERROR line`` from the printing rank, so the batch script can requeue with the cause. After a collective
+of this rank failed (`explain_failure`: gloo reports a dead peer at once), a rank silent for three beats is named
+without waiting for the whole timeout.
+
+Collectives: none (TCPStore calls only, off the main thread). Memory: a record of ~100 bytes per rank in the store.
 """
 
 from __future__ import annotations
