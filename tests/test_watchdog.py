@@ -86,6 +86,15 @@ def test_when_every_rank_waits_the_ones_behind_are_named() -> None:
     assert judge.verdict(6.5) is None
 
 
+def test_a_rank_that_left_while_the_others_wait_is_named() -> None:
+    records = {r: Record(1, 5, Sample("p", "all_reduce", "world 0-2")) for r in range(2)}
+    records[2] = Record(1, 4, Sample("tricorn/training/main.py:250 _train"), done=True)  # a bug ended its run
+    judge = _judge(records, timeout=5.0)
+    _advance(judge, 6.0, moving=set(), beating={0, 1})
+    line = judge.verdict(6.0)
+    assert line.startswith("hang: rank 2 (iteration 4, tricorn/training/main.py:250 _train) left the run"), line
+
+
 def test_record_round_trip() -> None:
     rec = Record(12, 40, Sample("tricorn/x.py:3 f", "all_gather_into_tensor", "tp 0,1"), done=False, failed=True)
     assert Record.decode(rec.encode()) == rec

@@ -171,9 +171,10 @@ class Judge:
         silent = {r for r, s in live.items() if now - s.beat_at > beat_limit}
         stalled = {r for r, s in live.items() if now - s.progress_at > self.timeout_s}
         stuck = silent | {r for r in stalled if not live[r].record.sample.waiting}
-        if not stuck and stalled and stalled == set(live):  # everyone waits: the ranks furthest behind
+        left = {r for r, s in self.seen.items() if s.record.done}
+        if not stuck and stalled and stalled == set(live):  # everyone waits: on a rank that left, or on the slowest
             low = min(live[r].record.iteration for r in stalled)
-            stuck = {r for r in stalled if live[r].record.iteration == low}
+            stuck = left or {r for r in stalled if live[r].record.iteration == low}
         if not stuck:
             return None
         return self.describe(sorted(stuck), silent, now)
@@ -186,7 +187,9 @@ class Judge:
             where = f"iteration {rec.iteration}, {rec.sample.phase}"
             if rec.sample.op:
                 where += f", in {rec.sample.op}" + (f" over {rec.sample.group}" if rec.sample.group else "")
-            if r in silent:
+            if rec.done:
+                why = "left the run while the others wait (an error or a signal ended its training: see its log)"
+            elif r in silent:
                 why = f"sent no heartbeat for {now - s.beat_at:.0f}s (killed, stopped, or its host is lost)"
             elif rec.sample.waiting:
                 why = f"waited in a collective for {now - s.progress_at:.0f}s with every other rank (furthest behind)"
