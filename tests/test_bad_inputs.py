@@ -44,6 +44,12 @@ FLAG_CASES = [
     (["--adam-beta1", "2"], "--adam-beta1 must be in [0, 1), got 2.0"),
     (["--log-interval", "0"], "--log-interval must be at least 1, got 0"),
     (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be at least 1, got 0"),
+    (["--hang-timeout-minutes", "0"], "--hang-timeout-minutes must be greater than 0, got 0.0"),
+    (["--hang-timeout-minutes=-0.5"], "--hang-timeout-minutes must be greater than 0, got -0.5"),
+    (
+        ["--hang-timeout-minutes", "11"],
+        "--hang-timeout-minutes 11 exceeds --distributed-timeout-minutes 10: the collectives would time out before",
+    ),
     (["--weight-decay", "-1"], "--weight-decay must be at least 0, got -1.0"),
     (["--seed", "9" * 30], "--seed must be in [0, 4294967295]"),
     (["--min-lr", "0.1"], "--min-lr 0.1 is above --lr 0.001"),

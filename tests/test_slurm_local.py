@@ -8,7 +8,10 @@ the machine cannot run slurmd at all (not Linux, not root, or the packages can b
 read ``scontrol show job`` fields, signal the batch shell, requeue. The main test sbatches the CPU variant of
 a generated script running the real pretrain_gpt.py on 2 tasks, signals it with ``scancel --batch
 --signal=USR1`` (what ``--signal=B:USR1@180`` does before the time limit) and checks the whole cycle: trained
-and checkpointed, saved on the signal, requeued, resumed from that checkpoint and finished. About 40 s.
+and checkpointed, saved on the signal, requeued, resumed from that checkpoint; then rank 1 is SIGKILLed
+(tricorn/training/faults.py), the script requeues on the failure with its cause, and the third run resumes from
+the last checkpoint and finishes. About 40 s before the kill cycle was added; 107 s with it on a loaded
+machine (load average 8 on 2 cores).
 """
 
 from __future__ import annotations
@@ -197,8 +200,14 @@ def _iterations_logged(text: str) -> list[int]:
     return [int(m) for m in re.findall(r"^ iteration +(\d+)/", text, flags=re.M)]
 
 
+# Run 2 (the first requeue) loses rank 1 to a SIGKILL at this iteration (tricorn/training/faults.py): the script
+# requeues on the failure, and run 3 resumes from the last checkpoint before it (a multiple of SAVE_INTERVAL).
+KILLED_AT = TRAIN_ITERS - 10
+
+
 def test_generated_script_trains_saves_requeues_and_resumes_on_usr1(slurm: LocalSlurm, tmp_path: Path) -> None:
-    """sbatch the real trainer; USR1 to the batch shell -> the tasks save and exit 0 -> requeue -> resume -> finish."""
+    """sbatch the real trainer; USR1 to the batch shell -> the tasks save and exit 0 -> requeue -> resume; then a
+    SIGKILLed rank -> requeue with its cause logged -> resume from the last checkpoint -> finish."""
     script = tmp_path / "cpu.sbatch"
     script.write_text(sbatch.render(cpu_job(TRAIN_ARGS)))
     run_dir = tmp_path / "run"
@@ -208,6 +217,7 @@ def test_generated_script_trains_saves_requeues_and_resumes_on_usr1(slurm: Local
         "PYTHON": sys.executable,
         "RUN_DIR": str(run_dir),
         "DATA_ARGS": "--mock-data --vocab-size 512",
+        "TRICORN_TEST_FAULT": f"1:{KILLED_AT}:kill:1",  # rank 1, in run 2 only
     }
     t0 = time.monotonic()
     job = slurm.submit(script, env=env)
@@ -222,13 +232,16 @@ def test_generated_script_trains_saves_requeues_and_resumes_on_usr1(slurm: Local
     phases["signalled"] = time.monotonic() - t0
     wait_for_text(out_file, "requeueing job", timeout=60)
     phases["saved, requeued"] = time.monotonic() - t0
+    wait_for_text(out_file, f"job {job} requeue 1/3", timeout=120)
+    phases["rank killed, requeued"] = time.monotonic() - t0
     info = slurm.wait(job, states=("COMPLETED", "FAILED", "CANCELLED"), timeout=120)
     phases["completed"] = time.monotonic() - t0
     text = out_file.read_text()
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", text
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "2", text
     print("local SLURM job " + ", ".join(f"{k} at {v:.1f}s" for k, v in phases.items()))
 
-    run1, run2 = text.split(f"tricorn: job {job} restart 1 on", 1)
+    run1, rest = text.split(f"tricorn: job {job} restart 1 on", 1)
+    run2, run3 = rest.split(f"tricorn: job {job} restart 2 on", 1)
     assert f"tricorn: job {job} restart 0 on" in run1 and "tricorn: USR1 received" in run1, text
     # Run 1: trained, saved on the signal after iteration N < TRAIN_ITERS, exited 0, and the script requeued it.
     stop = re.search(r"exiting after iteration (\d+): received SIGUSR1 \(checkpoint saved\)", run1)
@@ -236,10 +249,21 @@ def test_generated_script_trains_saves_requeues_and_resumes_on_usr1(slurm: Local
     saved = int(stop.group(1))
     assert SAVE_INTERVAL <= saved < TRAIN_ITERS and _iterations_logged(run1) == list(range(1, saved + 1)), run1
     assert f"saved checkpoint {ckpt}/iter_{saved:07d}" in run1 and "trainer exited with status 0" in run1
-    # Run 2 (SLURM_RESTART_COUNT=1, appended to the same file): loaded iteration N and continued to the end.
+    # Run 2 (SLURM_RESTART_COUNT=1, appended to the same file): loaded iteration N and continued until rank 1 was
+    # SIGKILLed in iteration KILLED_AT; the script requeued the job once, naming the cause.
     assert f"checkpoint: loading {ckpt}/iter_{saved:07d} (latest_checkpointed_iteration.txt)" in run2, run2
     assert f"checkpoint: resuming after iteration {saved} ({2 * saved} samples consumed" in run2, run2
-    assert _iterations_logged(run2) == list(range(saved + 1, TRAIN_ITERS + 1)), run2
-    assert "tricorn: USR1 received" not in run2 and "requeueing" not in run2
+    assert _iterations_logged(run2) == list(range(saved + 1, KILLED_AT)), run2
+    assert "tricorn: USR1 received" not in run2 and "checkpoint saved; requeueing" not in run2
+    requeue = re.search(rf"tricorn: job {job} requeue 1/3 at \S+: (.*); resuming from the last checkpoint", run2)
+    # srun stops the other task once one dies, so the watchdog may not get to name it: either cause is right.
+    assert requeue and ("killed by a signal" in requeue.group(1) or "rank 1" in requeue.group(1)), run2
+    assert "task 1: Killed" in run2, run2
+    assert (run_dir / "requeues.log").read_text().count(f"job {job} requeue") == 1
+    # Run 3: resumed from the last checkpoint before the kill and finished.
+    last = (KILLED_AT - 1) // SAVE_INTERVAL * SAVE_INTERVAL
+    assert f"checkpoint: loading {ckpt}/iter_{last:07d} (latest_checkpointed_iteration.txt)" in run3, run3
+    assert _iterations_logged(run3) == list(range(last + 1, TRAIN_ITERS + 1)), run3
+    assert "requeue" not in run3
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(TRAIN_ITERS)
     assert (ckpt / f"iter_{TRAIN_ITERS:07d}").is_dir() and (run_dir / "tensorboard" / str(job) / "memory_report.json").is_file()

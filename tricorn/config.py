@@ -191,6 +191,12 @@ class ParallelConfig:
     grad_reduce_in_bf16: bool = _f(False, "Reduce gradients in bf16 instead of fp32.")
     optimizer_cpu_offload: bool = _f(False, "Keep master weights and optimizer state on CPU and step there.")
     distributed_timeout_minutes: int = _f(10, "Timeout of collectives; a dead peer becomes an error.", bound=AT_LEAST_1)
+    hang_timeout_minutes: Optional[float] = _f(
+        None,
+        "A rank whose progress stops this long (dead, stopped, or stuck outside collectives) is named and every rank "
+        "exits 75 (default: --distributed-timeout-minutes; fractions allowed).",
+        bound=POSITIVE,
+    )
 
     @property
     def zero_stage_in_effect(self) -> int:

@@ -1,8 +1,8 @@
 """How a run that cannot go on ends: one `tricorn: error:` line, an exit code, and torchrun's error file.
 
 Exit codes: 2 for a config found bad before launch (a flag, the YAML, the layout, an output path, data
-that does not fit the vocabulary), 1 for a damaged checkpoint, a NaN loss, a dead peer, or a bug (which
-prints its traceback). docs/launch-errors.md shows what a user sees under one process, torchrun and srun.
+that does not fit the vocabulary), 1 for a damaged checkpoint, a NaN loss, or a bug (which prints its
+traceback), 75 for a rank that stopped, died or got stuck (the hang watchdog, training/watchdog.py). docs/launch-errors.md shows what a user sees under one process, torchrun and srun.
 
 One rank prints the line (rank 0, or the survivor that names a dead rank 0), so a 512-rank launch shows
 it once. Every failing rank also writes it to torchelastic's error file ($TORCHELASTIC_ERROR_FILE, which
@@ -28,6 +28,9 @@ from typing import Optional
 PREFIX = "tricorn: error: "
 CONFIG_ERROR = 2  # found before launch: fix the command line, the YAML or a path
 RUN_ERROR = 1  # a damaged checkpoint or data file, a NaN loss, a dead peer, a bug
+# A rank stopped, died or got stuck (training/watchdog.py): sysexits' EX_TEMPFAIL, "try again" - the sbatch
+# scripts requeue on it, from the last checkpoint.
+HANG_ERROR = 75
 HEAD_START_S = 10.0
 
 

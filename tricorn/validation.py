@@ -96,6 +96,12 @@ def validate(cfg: Config) -> list[str]:
         errs.append("--mock-data needs --vocab-size")
     if d.tokenizer_type != "NullTokenizer" and not d.tokenizer_model and not d.mock_data:
         errs.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model FILE.model")
+    if p.hang_timeout_minutes is not None and p.hang_timeout_minutes > p.distributed_timeout_minutes:
+        errs.append(
+            f"--hang-timeout-minutes {p.hang_timeout_minutes:g} exceeds --distributed-timeout-minutes "
+            f"{p.distributed_timeout_minutes}: the collectives would time out before the watchdog names the stuck rank; "
+            "lower it or raise --distributed-timeout-minutes"
+        )
     errs += validate_te(cfg)  # device, installed version in the pinned range, recipe, GPU for mxfp8
     if t.fp8_format and not (t.bf16 or t.fp16):
         errs.append("--fp8-format needs --bf16 (FP8 GEMMs keep bf16 weights and activations around them)")

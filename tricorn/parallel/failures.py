@@ -5,7 +5,9 @@ gloo reports a dead or stopped peer as "Timed out waiting Nms for recv operation
 "... timeout: WorkNCCL(SeqNum=.., OpType=ALLREDUCE, ...)". `collective_failure` recognises these and
 names what can be known: the collective (NCCL's OpType, or the torch.distributed function in the
 traceback, e.g. all_reduce or barrier), the peer rank (only when the world has two ranks: the
-messages carry an address, not a rank), and the timeout. No collectives, no memory.
+messages carry an address, not a rank), and the timeout. In a training run the hang watchdog
+(tricorn/training/watchdog.py) then names the rank that is gone at any world size, from the heartbeats;
+this line is the fallback when it cannot. No collectives, no memory.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ The script (see scripts/slurm/README.md):
   SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, MASTER_ADDR is the first host of the allocation;
 - traps USR1 and forwards it to srun, whose tasks (``--exit-signal-handler --exit-signal SIGUSR1``) save a
   checkpoint and exit 0; the script then requeues the job, which resumes from the same --save/--load dir;
+- requeues, at most MAX_REQUEUES times, when the hang watchdog ended the run (exit 75, its line in
+  $TRICORN_EXIT_REPORT) or a task was killed by a signal (a dead rank, a lost node), logging each cause;
+- sets the NCCL environment so that NCCL never SIGABRTs a rank before tricorn's watchdog reports, and its flight
+  recorder dumps into the run's log directory;
 - writes TensorBoard events and per-rank logs under the run directory, one subdirectory per job;
 - passes --data-cache-path on shared storage (the run directory): rank 0 builds the sample-index cache
   first (data/cache.py, a barrier), every other rank and every requeue reads it.
@@ -123,8 +127,22 @@ _NCCL_BLOCK = """\
 #   NCCL_IB_TIMEOUT=22             longer InfiniBand timeout on large or busy fabrics
 #   NCCL_NVLS_ENABLE=0             turn NVLink SHARP off where the fabric manager does not support it
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-# A failed or stuck collective raises after --distributed-timeout-minutes instead of hanging the job.
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+# A stuck or dead rank (docs/reliability.md#hangs): tricorn's watchdog names it and every rank exits 75 after
+# --hang-timeout-minutes (8 in ARGS, below the 10-minute --distributed-timeout-minutes, so it comes first;
+# EXTRA_ARGS overrides it). torch's default (3) and 1 make NCCL's own watchdog tear the process down at the distributed timeout
+# (SIGABRT, exit 134, no Python line); 2 only aborts the communicators: the collective raises (one line) or the
+# watchdog reports, and this script requeues on 75.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-2}
+# Flight recorder: each rank keeps its last 2000 collectives and dumps them on a NCCL timeout into the run's logs
+# (TORCH_FR_DUMP_TEMP_FILE is torch 2.13's name, TORCH_NCCL_DEBUG_INFO_TEMP_FILE the older one it still reads).
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$LOG_DIR/nccl_trace_rank_}
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$TORCH_FR_DUMP_TEMP_FILE}
+# NCCL's heartbeat monitor kills a rank whose NCCL watchdog thread is itself stuck (a hung CUDA call); torch's 480 s
+# would come before tricorn's watchdog, so it waits 15 minutes (keep it above --hang-timeout-minutes).
+export TORCH_NCCL_ENABLE_MONITORING=${TORCH_NCCL_ENABLE_MONITORING:-1}
+export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=${TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC:-900}
 # One hardware queue per device keeps TP/SP communication kernels in issue order with the compute (Megatron).
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}"""
 
@@ -147,6 +165,11 @@ LOG_DIR=$RUN_DIR/logs/$SLURM_JOB_ID
 # then every rank (and every requeue) memory-maps the same files instead of each building its own.
 DATA_CACHE_DIR=${{DATA_CACHE_DIR:-$RUN_DIR/data_cache}}
 mkdir -p "$CKPT_DIR" "$TB_DIR" "$LOG_DIR" "$DATA_CACHE_DIR"
+# A rank that dies, or a hang the watchdog reports (exit 75), requeues the job at most MAX_REQUEUES times; each
+# requeue is one line here and in $RUN_DIR/requeues.log. USR1 (the time limit) requeues without counting.
+MAX_REQUEUES=${{MAX_REQUEUES:-3}}
+export TRICORN_EXIT_REPORT=$LOG_DIR/exit-report.txt  # the watchdog's "75 <line>", for the cause below
+rm -f "$TRICORN_EXIT_REPORT"
 # --torch-compile (docs/compile.md): inductor's compiled code on node-local storage - each task writes its own
 # kernels, many small files that a shared filesystem serves slowly - kept per job name, so a requeue on the same
 # node loads them instead of compiling again. Inductor creates the directory on every node.
@@ -172,6 +195,7 @@ ARGS=(
     --load "$CKPT_DIR"
     --exit-signal-handler
     --exit-signal SIGUSR1
+    --hang-timeout-minutes 8
     --tensorboard-dir "$TB_DIR"
     --log-dir "$LOG_DIR"
     --data-cache-path "$DATA_CACHE_DIR"
@@ -194,11 +218,33 @@ while kill -0 "$SRUN_PID" 2>/dev/null; do  # a trapped signal ends `wait` early:
 done
 set -e
 
+echo "tricorn: trainer exited with status $STATUS"
 if [[ $SIGNALLED == 1 && $STATUS == 0 ]]; then
     echo "tricorn: checkpoint saved; requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID"
+    exit 0
 fi
-echo "tricorn: trainer exited with status $STATUS"
+# Requeue on a failure the next run can get past: a hang or dead rank the watchdog named (75), or a task killed
+# by a signal (srun reports 128 + signal: an OOM kill, a lost node). Not on 1 or 2: rerunning cannot fix those.
+CAUSE=""
+if [[ -s $TRICORN_EXIT_REPORT && $(cut -d' ' -f1 "$TRICORN_EXIT_REPORT") == 75 ]]; then
+    CAUSE=$(cut -d' ' -f2- "$TRICORN_EXIT_REPORT")
+elif [[ $STATUS == 75 ]]; then
+    CAUSE="the watchdog found a hang (exit 75; its line is in the ranks' logs in $LOG_DIR)"
+elif ((STATUS > 128)); then
+    CAUSE="a task was killed by a signal (srun status $STATUS; srun's 'task N: Killed' line above names the first): a dead rank or a lost node"
+fi
+if [[ -n $CAUSE ]]; then
+    DONE=$(grep -c "^job $SLURM_JOB_ID " "$RUN_DIR/requeues.log" 2>/dev/null || true)
+    if ((DONE < MAX_REQUEUES)); then
+        LINE="job $SLURM_JOB_ID requeue $((DONE + 1))/$MAX_REQUEUES at $(date -u +%FT%TZ): $CAUSE"
+        echo "$LINE" >>"$RUN_DIR/requeues.log"
+        echo "tricorn: $LINE; resuming from the last checkpoint in $CKPT_DIR"
+        scontrol requeue "$SLURM_JOB_ID"
+        exit 0
+    fi
+    echo "tricorn: not requeueing job $SLURM_JOB_ID: MAX_REQUEUES=$MAX_REQUEUES requeues done ($RUN_DIR/requeues.log); last cause: $CAUSE"
+fi
 exit "$STATUS"
 """
 

@@ -43,6 +43,7 @@ from tricorn.timers import (
     OPTIMIZER_STEP,
     Timers,
 )
+from tricorn.training.faults import maybe_inject
 from tricorn.training.logging import MetricsLogger, warn
 from tricorn.training.lr_schedule import learning_rate
 from tricorn.training.memory_report import iteration_peak, write_memory_report
@@ -176,6 +177,7 @@ class Trainer:
         self.optimizer.set_lr(lr)
         with self.timers(DATA_LOADING):
             batch = self.train_loader.next(gbs)
+        maybe_inject(self.state.rank, self.iteration)  # tests only: $TRICORN_TEST_FAULT kills/stops/stalls a rank
         loss, info = self.train_step(batch, nmb)
         t = self.cfg.training
         if t.check_for_nan_in_loss_and_grad:

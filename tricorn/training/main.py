@@ -12,7 +12,7 @@ import traceback
 from typing import Optional
 
 from tricorn.config import Config
-from tricorn.launch_errors import CONFIG_ERROR, RUN_ERROR, fail, launch_rank, write_error_file
+from tricorn.launch_errors import CONFIG_ERROR, HANG_ERROR, RUN_ERROR, fail, launch_rank, write_error_file
 
 
 def resolve_config(argv: Optional[list[str]]) -> Config:
@@ -221,11 +221,14 @@ def _train(cfg: Config, state, exits) -> int:
     from tricorn.data.errors import DataError
     from tricorn.training.logging import MetricsLogger
     from tricorn.training.loop import NaNError
+    from tricorn.training.watchdog import Watchdog
 
     logger = MetricsLogger(cfg, state.rank, state.device)
     ckpt = trainer = None
+    watchdog = Watchdog(cfg, state).start()  # a stopped, dead or stuck rank is named; every rank exits 75
     try:
         trainer = build_trainer(cfg, state, logger)
+        watchdog.iteration = lambda: trainer.iteration
         logger.startup(state, trainer.chunks, trainer.batch_sizes())  # layout, parameters, FLOPs, memory estimate
         _warn_math_attention(cfg, state)
         ckpt = Checkpointer(cfg, state, logger.console)
@@ -244,9 +247,12 @@ def _train(cfg: Config, state, exits) -> int:
         line = collective_failure(e, state.rank, state.world_size, cfg.parallel.distributed_timeout_minutes)
         if line is None:
             raise
+        if watchdog.explain_failure():  # the watchdog named the rank that is gone and ends the process (75)
+            return HANG_ERROR
         # Every survivor times out: rank 0 says it, or whoever lost rank 0.
         return fail(line, RUN_ERROR, prints=state.rank == 0 or peer_named(line) == 0)
     finally:
+        watchdog.stop()  # first: the peers must not take this rank's leaving for a hang
         if ckpt is not None:
             ckpt.close()  # joins the background save thread
         logger.close()  # joins TensorBoard's writer thread
