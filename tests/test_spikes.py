@@ -184,8 +184,11 @@ def test_guard_skips_spikes_and_non_finite_values_but_not_overflows():
     assert step(20, 9.0, 1.0) and step(21, 2.0, 3.5) and step(22, float("nan"), 1.0)
     assert not step(23, 2.0, float("inf"), overflow=True), "an fp16 overflow is the loss scaler's skip"
     assert not step(24, 5.0, 2.5), "the skipped iterations did not move the means"
+    lines: list[str] = []
+    assert guard.report(guard.records().tolist(), 24, lines.append) == {"spiky-iterations": 3.0}
+    assert [line.split(" (")[0] for line in lines] == [f" skipped iteration {i}" for i in (20, 21, 22)]
     with pytest.raises(SpikeLimit, match="3 spiky iterations within the last 100 .* iteration 20 samples 76-79; iteration 21"):
-        guard.report(guard.records().tolist(), 24, lambda line: None)
+        guard.check_limit(24)
 
 
 BAD = [

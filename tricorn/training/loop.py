@@ -260,6 +260,7 @@ class Trainer:
             self.logger.record(self.iteration, {"moe": moe})
         if self.spikes is not None:  # after the iteration's line: names the spiky iterations, may stop the run
             self.logger.scalars(self.iteration, self.spikes.report(values.get("spikes", []), self.iteration, self.logger.console))
+            self.spikes.check_limit(self.iteration)
 
     def train(self) -> None:
         t, d = self.cfg.training, self.cfg.data

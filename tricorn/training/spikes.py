@@ -125,7 +125,7 @@ class SpikeGuard:
         return torch.cat([p.record for p in self._pending]) if self._pending else None
 
     def report(self, values: list[float], iteration: int, console: Callable[[str], None]) -> dict[str, float]:
-        """Name the spiky iterations among the read records; raise SpikeLimit when too many fell in the window."""
+        """Name the spiky iterations among the read records (their TensorBoard count returned)."""
         pending, self._pending = self._pending, []
         new = self._spikes(pending, values)
         self.total += len(new)
@@ -136,6 +136,10 @@ class SpikeGuard:
                 f"running means {s.loss_mean:.6E} and {s.norm_mean:.6E}, --spiky-loss-factor {self.factor:g}): "
                 f"samples {s.samples}"
             )
+        return {"spiky-iterations": float(self.total)}
+
+    def check_limit(self, iteration: int) -> None:
+        """Raise SpikeLimit when --max-skipped-iterations spiky iterations fell within the last WINDOW."""
         if len(self.recent) >= self.max_skipped:
             named = "; ".join(f"iteration {s.iteration} samples {s.samples}" for s in self.recent)
             raise SpikeLimit(
@@ -143,7 +147,6 @@ class SpikeGuard:
                 f"stopping after iteration {iteration}: {named}; add those samples to a --skip-samples file "
                 "and resume (from an earlier checkpoint with --ckpt-step to retrain without them)"
             )
-        return {"spiky-iterations": float(self.total)}
 
     def _spikes(self, pending: list[_Pending], values: list[float]) -> list[Spike]:
         out = []
