@@ -37,6 +37,7 @@ from typing import Any, Optional
 
 import torch
 
+from tricorn.checkpoint.io import CheckpointError
 from tricorn.config import Config
 from tricorn.data.skip_samples import format_samples
 
@@ -166,7 +167,14 @@ class SpikeGuard:
         return {"loss_ema": loss_ema, "norm_ema": norm_ema, "count": count, "recent": recent}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loss_ema = torch.full((), float(state["loss_ema"]), dtype=torch.float64, device=self.device)
-        self.norm_ema = torch.full((), float(state["norm_ema"]), dtype=torch.float64, device=self.device)
-        self.count = torch.full((), float(state["count"]), dtype=torch.float64, device=self.device)
-        self.recent = [Spike(int(r[0]), *map(float, r[1:5]), str(r[5])) for r in state.get("recent", [])]
+        """From a checkpoint's meta.json; CheckpointError (one line) when the record is damaged."""
+        try:
+            values = [float(state[k]) for k in ("loss_ema", "norm_ema", "count")]
+            recent = [Spike(int(r[0]), *map(float, r[1:5]), str(r[5])) for r in state.get("recent", [])]
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise CheckpointError(
+                f"checkpoint damaged: its meta.json spiky_loss record is unreadable ({type(e).__name__}: {e}); "
+                "pick another iteration with --ckpt-step"
+            ) from None
+        self.loss_ema, self.norm_ema, self.count = (torch.full((), v, dtype=torch.float64, device=self.device) for v in values)
+        self.recent = recent
