@@ -12,7 +12,7 @@ skipped-iterations (so far in this run), iteration-time (s), throughput (model T
 mfu (percent; needs a peak: the GPU table or --peak-tflops), mem-allocated-bytes and
 mem-max-allocated-bytes (CUDA allocator; process RSS on CPU; the largest rank), and with
 --timing-log-level >= 1 "<phase>-time" (s per iteration; level 2 adds -min/-max over ranks); with more than
-one rank straggler-slowest-rank, straggler-slowest-time and straggler-median-time (stragglers.py); with
+one rank straggler-slowest-rank, straggler-slowest-seconds and straggler-median-seconds (stragglers.py); with
 --check-for-spiky-loss spiky-iterations (spikes.py).
 FLOPs come from tricorn.planning.flops (model FLOPs for throughput and MFU; hardware FLOPs with
 recomputation in the start-up block). The metrics-file records keep the iteration's own values.
@@ -444,8 +444,8 @@ def _console_line(
         f"tokens/s: {iv.tokens_per_sec:.0f}",
         f"TFLOP/s per device: {iv.tflops:.3g}",
         *([f"MFU: {iv.mfu_pct:.1f}%"] if iv.mfu_pct is not None else []),
-        f"ETA: {format_duration(eta)}",
         *([straggler.console()] if straggler is not None else []),
+        f"ETA: {format_duration(eta)}",
     ]
     return " | ".join(parts)
 

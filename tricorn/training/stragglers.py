@@ -10,7 +10,7 @@ trainer's synchronisation there, so no iteration waits for the host.
 At each log line `gather` all-gathers one float per rank (its mean seconds per iteration over the interval)
 as one small device tensor, which the trainer reads with its other values in its one host read. `report`
 then gives the slowest rank, its time and the median (TensorBoard: straggler-slowest-rank,
-straggler-slowest-time, straggler-median-time; the console line: "slowest rank"), and names, in one warning
+straggler-slowest-seconds, straggler-median-seconds; the console line: "slowest rank"), and names, in one warning
 line on rank 0, each rank whose time has been above --straggler-factor x the median for STREAK log
 intervals in a row (once per such streak), with its grid position and its log file.
 
@@ -59,8 +59,8 @@ class StragglerReport:
     def scalars(self) -> dict[str, float]:
         return {
             "straggler-slowest-rank": float(self.slowest_rank),
-            "straggler-slowest-time": self.slowest,
-            "straggler-median-time": self.median,
+            "straggler-slowest-seconds": self.slowest,
+            "straggler-median-seconds": self.median,
         }
 
     def console(self) -> str:
