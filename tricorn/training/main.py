@@ -242,6 +242,7 @@ def _train(cfg: Config, state, exits) -> int:
         return 0
     except SpikeLimit as e:  # raised alike on every rank at a log line: save, then one line
         ckpt.finish(trainer)
+        trainer.optimizer.wait_all()  # nothing in flight when the groups go
         saved = (
             f"checkpoint of iteration {trainer.iteration} saved in {cfg.checkpoint.save}" if cfg.checkpoint.save else "no --save"
         )
