@@ -18,8 +18,8 @@ Limits: inside a tensor- or context-parallel group (and along a pipeline) the pe
 their forward-backward, so a slow rank makes its whole TP/CP group (or pipeline) look slow: the line then
 names that group, which still points at the node. One process (world 1) gathers nothing.
 
-Test hook: TRICORN_TEST_SLOW_RANK=R (with TRICORN_TEST_SLOW_RANK_SLEEP_S, default 0.05) sleeps that long
-inside each timed phase of rank R. Tests use it; nothing else may.
+Test hook: TRICORN_TEST_SLOW_RANK=R[,R...] (with TRICORN_TEST_SLOW_RANK_SLEEP_S, default 0.05) sleeps that
+long inside each timed phase of those ranks. Tests use it; nothing else may.
 
 Collectives: one all-gather of one float per rank over the world per log interval. Memory: that tensor
 (world floats); on CUDA two events per timed phase of the interval (reused).
@@ -88,8 +88,8 @@ class StragglerMonitor:
         self.pool = EventPool(event_factory or torch.cuda.Event) if cuda or event_factory is not None else None
         self.timer: Union[Timer, EventTimer] = EventTimer("own-work", self.pool) if self.pool else Timer("own-work")
         self.streak = [0] * state.world_size
-        slow = os.environ.get(SLOW_RANK)
-        self._sleep_s = float(os.environ.get(SLOW_RANK_SLEEP_S, "0.05")) if slow is not None and int(slow) == state.rank else 0.0
+        slow = {int(r) for r in os.environ.get(SLOW_RANK, "").split(",") if r.strip()}
+        self._sleep_s = float(os.environ.get(SLOW_RANK_SLEEP_S, "0.05")) if state.rank in slow else 0.0
 
     @classmethod
     def from_config(cls, cfg: Any, state: Any) -> Optional[StragglerMonitor]:
