@@ -223,3 +223,21 @@ def test_bad_input_is_one_line_before_launch(tmp_path, extra, needle):
     skips.write_text({"garbage": "3\noops\n", "outside": "4 19-20\n"}.get(extra[-1], ""))
     argv = [*BASE_FLAGS, *[str(skips) if a == "SKIPS" else a for a in extra[:2]]]
     assert_refused(argv, work, needle=needle.replace("SKIPS", str(skips)))
+
+
+def test_guard_state_survives_a_checkpoint_bitwise():
+    """meta.json holds the running means as JSON floats: the resumed guard has the same bits and decides alike."""
+    guard = SpikeGuard(factor=2.0, max_skipped=5, device=torch.device("cpu"))
+    for it in range(1, 15):
+        guard.veto(torch.tensor(2.0 + 0.1 * (it % 3)), it, range(it, it + 1))(torch.tensor(1.0 / it), None)
+    guard.veto(torch.tensor(99.0), 15, range(15, 16))(torch.tensor(1.0), None)  # spiky, not yet read at a log line
+    resumed = SpikeGuard(factor=2.0, max_skipped=5, device=torch.device("cpu"))
+    resumed.load_state_dict(json.loads(json.dumps(guard.state_dict())))
+    for name in ("loss_ema", "norm_ema", "count"):
+        assert torch.equal(getattr(resumed, name), getattr(guard, name)), name
+    assert [s.iteration for s in resumed.recent] == [15] and guard.recent == [], "the unread spike is saved, not consumed"
+    for g in (guard, resumed):
+        g._pending.clear()
+    loss, norm = torch.tensor(4.3), torch.tensor(0.2)  # just above 2 x the loss mean (~2.1): a spike only when armed
+    assert bool(guard.veto(loss, 16, ())(norm, None)) == bool(resumed.veto(loss, 16, ())(norm, None))
+    assert torch.equal(resumed.loss_ema, guard.loss_ema)
