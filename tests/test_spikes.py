@@ -164,6 +164,9 @@ def test_skip_file_syntax_round_trips_and_refuses_garbage():
     for bad, token in (("12 x3", "x3"), ("9-4", "9-4"), ("-1", "-1"), ("1.5", "1.5")):
         with pytest.raises(SkipSamplesError, match=f"f line 1: '{re.escape(token)}' is not a sample index"):
             parse_skip_samples(bad, "f")
+    with pytest.raises(SkipSamplesError, match="f line 2: the list reaches more than 1,000,000 samples at '4-1000000'"):
+        parse_skip_samples("0-3\n4-1000000\n", "f")
+    assert len(parse_skip_samples("0-3\n4-999999\n", "f")) == 10**6
 
 
 def test_loader_and_prefetch_sampler_pass_over_the_same_samples():

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+MAX_SAMPLES = 10**6  # a skip list is for a few bad batches; every rank holds it as a set (~80 MB at this size)
 
 
 class SkipSamplesError(ValueError):
@@ -73,8 +74,11 @@ def parse_skip_samples(text: str, where: str) -> SkipList:
                 )
             lo = int(m.group(1))
             hi = int(m.group(2)) if m.group(2) is not None else lo
-            if hi - lo > 10**8:
-                raise SkipSamplesError(f"{where} line {number}: the range '{token}' holds more than 10^8 samples")
+            if len(found) + hi - lo + 1 > MAX_SAMPLES:  # checked before the range is expanded
+                raise SkipSamplesError(
+                    f"{where} line {number}: the list reaches more than {MAX_SAMPLES:,} samples at '{token}'; "
+                    "a skip list is for a few bad batches (to drop a whole range of the data, change --split or the dataset)"
+                )
             found.update(range(lo, hi + 1))
     return SkipList(tuple(sorted(found)))
 
