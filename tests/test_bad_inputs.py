@@ -254,6 +254,8 @@ DAMAGE = {
     "meta-lacks-optimizer-step": (lambda c: _edit_meta(c, lambda m: m.pop("optimizer_step")), "lacks 'optimizer_step'"),
     "meta-iteration-twelve": (lambda c: _edit_meta(c, lambda m: m.update(iteration="twelve")), "iteration = 'twelve'"),
     "meta-negative-samples": (lambda c: _edit_meta(c, lambda m: m.update(consumed_train_samples=-4)), "consumed_train_samples"),
+    "meta-negative-skipped": (lambda c: _edit_meta(c, lambda m: m.update(skipped_train_samples=-1)), "skipped_train_samples"),
+    "meta-spiky-loss-list": (lambda c: _edit_meta(c, lambda m: m.update(spiky_loss=[1])), "spiky_loss = [1]"),
     "meta-not-json": (
         lambda c: (c / io.META_FILE).write_bytes(b"\xff\xfe{"),
         "meta.json cannot be read (not UTF-8 text); pick another iteration with --ckpt-step",

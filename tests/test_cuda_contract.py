@@ -50,6 +50,7 @@ LAYOUTS = {
     "fp16-dynamic": ["--fp16", "--initial-loss-scale", "1024"],
     "loss-scale": ["--bf16", "--loss-scale", "128"],
     "offload": ["--bf16", *DISTOPT, "--optimizer-cpu-offload"],
+    "spiky-loss": ["--bf16", *DISTOPT, "--check-for-spiky-loss"],  # the spike veto's device work in the step
 }
 
 

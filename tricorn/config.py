@@ -248,6 +248,15 @@ class TrainingConfig:
     nan_check_interval: int = _f(
         0, "Also read the NaN check every N iterations (one host sync each; 0: at log lines and saves).", bound=NON_NEGATIVE
     )
+    check_for_spiky_loss: bool = _f(
+        False, "Skip (on the device) an iteration whose loss or grad norm spikes above --spiky-loss-factor x its running mean."
+    )
+    spiky_loss_factor: float = _f(
+        10.0, "A loss or grad norm above this x its running mean is a spike.", bound=Bound(lo=1, lo_open=True)
+    )
+    max_skipped_iterations: int = _f(
+        10, "Save and stop after this many spiky iterations within 100 iterations.", bound=Bound(lo=1, hi=100)
+    )
     exit_signal_handler: bool = _f(False, "Save and exit 0 when --exit-signal arrives.")
     exit_signal: str = _f("SIGTERM", "Signal caught by --exit-signal-handler.", choices=["SIGTERM", "SIGUSR1", "SIGINT"])
     exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes.", bound=POSITIVE)
@@ -273,6 +282,7 @@ class DataConfig:
     eval_interval: int = _f(1000, "Evaluate on the validation split every N iterations.", bound=AT_LEAST_1)
     eval_iters: int = _f(10, "Validation iterations per evaluation.", bound=NON_NEGATIVE)
     num_workers: int = _f(0, "Data loader worker processes.", bound=NON_NEGATIVE)
+    skip_samples: Optional[str] = _f(None, "File of training sample indices (N or A-B) to leave out of the data order.")
 
 
 @dataclass
@@ -304,6 +314,11 @@ class LoggingConfig:
     )
     peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device for MFU (default: from the GPU table).", bound=POSITIVE)
     metrics_file: Optional[str] = _f(None, "Also append each logged iteration's metrics as one JSON line to this file (rank 0).")
+    straggler_factor: float = _f(
+        1.2,
+        "Name a rank whose own work per iteration is above this x the median for 3 log intervals in a row.",
+        bound=Bound(lo=1, lo_open=True),
+    )
 
 
 SECTIONS: dict[str, type] = {

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from tricorn.config import Config, field_errors
+from tricorn.data.skip_samples import skip_samples_errors
 from tricorn.parallel.batch_schedule import validate_rampup
 from tricorn.parallel.compile import validate_compile
 from tricorn.parallel.fp8 import validate_fp8
@@ -115,6 +116,7 @@ def validate(cfg: Config) -> list[str]:
             + validate_moe(cfg)
             + validate_compile(cfg)
             + validate_fp8(cfg)
+            + skip_samples_errors(d.skip_samples, t.train_iters * t.global_batch_size if t.global_batch_size else 0)
         )
     return errs
 

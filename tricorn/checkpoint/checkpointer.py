@@ -146,6 +146,9 @@ class Checkpointer:
             "iteration": trainer.iteration,
             "consumed_train_samples": trainer.train_loader.state_dict()["consumed_samples"],
             "consumed_valid_samples": trainer.valid_loader.state_dict()["consumed_samples"] if trainer.valid_loader else 0,
+            # --skip-samples: the listed samples passed over so far (the raw position is consumed + skipped)
+            "skipped_train_samples": getattr(trainer.train_loader, "skipped_samples", 0),
+            **({"spiky_loss": trainer.spikes.state_dict()} if getattr(trainer, "spikes", None) is not None else {}),
             "optimizer_step": step.item(),
             "optimizer_iteration": getattr(opt, "iteration", trainer.iteration),
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
@@ -394,7 +397,11 @@ class Checkpointer:
 
     def _load_progress(self, trainer, meta: dict, load_optim: bool) -> None:
         trainer.iteration = int(meta["iteration"])
-        trainer.train_loader.load_state_dict({"consumed_samples": meta["consumed_train_samples"]})
+        trainer.train_loader.load_state_dict(
+            {"consumed_samples": meta["consumed_train_samples"], "skipped_samples": meta.get("skipped_train_samples", 0)}
+        )
+        if getattr(trainer, "spikes", None) is not None and meta.get("spiky_loss"):
+            trainer.spikes.load_state_dict(meta["spiky_loss"])  # the running means: a resume decides bitwise alike
         if trainer.valid_loader is not None:
             trainer.valid_loader.load_state_dict({"consumed_samples": meta["consumed_valid_samples"]})
         opt = trainer.optimizer

@@ -350,6 +350,11 @@ META_SCHEMA: dict[str, tuple[tuple[type, ...], Optional[float]]] = {
     "loss_scaler": ((dict, type(None)), None),
     "layout": ((dict,), None),
 }
+# Keys only some runs write (--skip-samples, --check-for-spiky-loss): checked when present.
+OPTIONAL_META: dict[str, tuple[tuple[type, ...], Optional[float]]] = {
+    "skipped_train_samples": ((int,), 0),
+    "spiky_loss": ((dict,), None),
+}
 LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "dp")
 
 
@@ -365,6 +370,9 @@ def read_meta(ckpt: Path) -> dict:
         raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')} is not {FORMAT_VERSION}")
     for key, (types, lo) in META_SCHEMA.items():
         _check_meta_value(path, key, meta.get(key, _MISSING), types, lo)
+    for key, (types, lo) in OPTIONAL_META.items():
+        if key in meta:
+            _check_meta_value(path, key, meta[key], types, lo)
     for key in LAYOUT_KEYS:
         _check_meta_value(path, f"layout.{key}", meta["layout"].get(key, _MISSING), (int,), 1)
     return meta

@@ -9,11 +9,13 @@ No collectives; memory: one global batch slice at a time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
 
+from tricorn.data.skip_samples import SkipList
 from tricorn.pinned import host_side, is_pinned, pin
 
 
@@ -72,36 +74,64 @@ class SampleSource(Protocol):
 class GlobalBatchLoader:
     """Cuts global batches out of a sample order and hands this DP rank its slice.
 
-    The only state is `consumed_samples`; restoring it resumes exactly. With `pin_memory` (set by the trainer
-    on CUDA: tricorn.pinned.pins_host_memory) batches come in pinned memory, so the trainer's copies of its
-    microbatches to the device are non-blocking.
+    The state is `consumed_samples` (and, with a --skip-samples list, `skipped_samples`: the listed samples
+    passed over so far; tricorn/data/skip_samples.py); restoring it resumes exactly. With `pin_memory` (set by
+    the trainer on CUDA: tricorn.pinned.pins_host_memory) batches come in pinned memory, so the trainer's copies
+    of its microbatches to the device are non-blocking. `last_batch_ids` holds the sample indices of the whole
+    global batch last handed out (the spike guard names them).
     """
 
     pin_memory = False
 
-    def __init__(self, source: SampleSource, dp_rank: int, dp_size: int, consumed_samples: int = 0, pad_id: int = -1):
+    def __init__(
+        self,
+        source: SampleSource,
+        dp_rank: int,
+        dp_size: int,
+        consumed_samples: int = 0,
+        pad_id: int = -1,
+        skip: Optional[SkipList] = None,
+    ):
         self.source = source
         self.pad_id = pad_id  # labels equal to it are left out of the loss (batch_from_samples)
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.consumed_samples = consumed_samples
+        self.skip = skip
+        self.skipped_samples = 0
+        self.last_batch_ids: Sequence[int] = ()
 
-    def next(self, global_batch_size: int) -> Batch:
+    def _take(self, global_batch_size: int) -> Sequence[int]:
+        """This DP rank's sample indices of the next global batch; advances the position."""
         if global_batch_size % self.dp_size != 0:
             raise ValueError(f"global batch {global_batch_size} is not divisible by DP size {self.dp_size}")
         per_rank = global_batch_size // self.dp_size
-        start = self.consumed_samples + self.dp_rank * per_rank
-        with host_side():  # host work by design: the samples are read and cut in host memory
-            samples = torch.stack([torch.as_tensor(self.source[(start + i) % len(self.source)]) for i in range(per_rank)])
-            batch = batch_from_samples(samples, self.pad_id, tuple(range(start, start + per_rank)))
+        ids = global_batch_ids(self.consumed_samples, self.skipped_samples, global_batch_size, self.skip)
+        self.skipped_samples += ids[-1] + 1 - (self.consumed_samples + self.skipped_samples) - global_batch_size
         self.consumed_samples += global_batch_size
+        self.last_batch_ids = ids
+        return ids[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+
+    def next(self, global_batch_size: int) -> Batch:
+        mine = self._take(global_batch_size)
+        with host_side():  # host work by design: the samples are read and cut in host memory
+            samples = torch.stack([torch.as_tensor(self.source[i % len(self.source)]) for i in mine])
+            batch = batch_from_samples(samples, self.pad_id, tuple(mine))
         return batch.pin() if self.pin_memory else batch
 
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples}
+        state = {"consumed_samples": self.consumed_samples}
+        return {**state, "skipped_samples": self.skipped_samples} if self.skipped_samples else state
 
     def load_state_dict(self, state: dict) -> None:
         self.consumed_samples = int(state["consumed_samples"])
+        self.skipped_samples = int(state.get("skipped_samples", 0))
+
+
+def global_batch_ids(consumed: int, skipped: int, global_batch_size: int, skip: Optional[SkipList]) -> Sequence[int]:
+    """Sample indices of the global batch that starts at raw position consumed + skipped (skip: left out)."""
+    start = consumed + skipped
+    return range(start, start + global_batch_size) if skip is None else skip.take(start, global_batch_size)
 
 
 class MockSamples:

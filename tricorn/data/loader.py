@@ -34,6 +34,7 @@ from tricorn.data.cache import description_key, load_or_build
 from tricorn.data.errors import DataError
 from tricorn.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_ranges
 from tricorn.data.indexed import IndexedDataset
+from tricorn.data.skip_samples import read_skip_samples
 from tricorn.data.tokenizer import build_tokenizer, loss_pad_id
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ def build_loaders(
         sources = [build_split_source(cfg, i, sizes[i], datasets) for i in range(len(SPLIT_NAMES))]
     assert sources[0] is not None
     pad = -1 if cfg.data.mock_data else loss_pad_id(build_tokenizer(cfg))
-    train = GlobalBatchLoader(sources[0], dp_rank, dp_size, consumed_samples, pad)
+    train = GlobalBatchLoader(sources[0], dp_rank, dp_size, consumed_samples, pad, read_skip_samples(cfg.data.skip_samples))
     valid = GlobalBatchLoader(sources[1], dp_rank, dp_size, pad_id=pad) if sources[1] is not None else None
     test = GlobalBatchLoader(sources[2], dp_rank, dp_size, pad_id=pad) if sources[2] is not None else None
     return train, valid, test

@@ -4,8 +4,8 @@ A torch DataLoader over the same sample source, driven by a batch sampler that l
 after batch, exactly the sample indices GlobalBatchLoader.next() would take for this DP rank
 (global batch sizes follow `batch_size_at(consumed_samples)`, so --rampup-batch-size works).
 The DataLoader returns batches in order whatever the worker count, so the tokens and hence
-the losses are bitwise the same as with 0 workers; `consumed_samples` stays the only state
-(a resume rebuilds the sampler from it). Each worker keeps `prefetch_factor` batches ready.
+the losses are bitwise the same as with 0 workers; the position (`consumed_samples`, and `skipped_samples`
+with --skip-samples) stays the only state (a resume rebuilds the sampler from it). Each worker keeps `prefetch_factor` batches ready.
 On CUDA the batches come in pinned memory (the trainer then copies with non_blocking=True).
 
 No collectives. Memory: N x prefetch_factor batch slices in host memory, N worker processes
@@ -35,19 +35,16 @@ class _Samples(Dataset):
 
 
 class _RankBatches(Sampler[list[int]]):
-    """This DP rank's sample indices of each global batch from `consumed` on (GlobalBatchLoader.next's order)."""
+    """This DP rank's sample indices of each global batch from the base loader's position on (its next()'s order)."""
 
-    def __init__(self, consumed: int, dp_rank: int, dp_size: int, batch_size_at: Callable[[int], int]):
-        self.consumed, self.dp_rank, self.dp_size, self.batch_size_at = consumed, dp_rank, dp_size, batch_size_at
+    def __init__(self, base: GlobalBatchLoader, batch_size_at: Callable[[int], int]):
+        self.cursor = GlobalBatchLoader(base.source, base.dp_rank, base.dp_size, base.consumed_samples, skip=base.skip)
+        self.cursor.skipped_samples = base.skipped_samples
+        self.batch_size_at = batch_size_at
 
     def __iter__(self) -> Iterator[list[int]]:
-        consumed = self.consumed
         while True:
-            gbs = self.batch_size_at(consumed)
-            per_rank = gbs // self.dp_size
-            start = consumed + self.dp_rank * per_rank
-            yield list(range(start, start + per_rank))
-            consumed += gbs
+            yield list(self.cursor._take(self.batch_size_at(self.cursor.consumed_samples)))
 
 
 class _Collate:
@@ -70,14 +67,15 @@ class PrefetchingBatchLoader(GlobalBatchLoader):
         pin_memory: bool = False,
         prefetch_factor: int = 2,
     ):
-        super().__init__(base.source, base.dp_rank, base.dp_size, base.consumed_samples, base.pad_id)
+        super().__init__(base.source, base.dp_rank, base.dp_size, base.consumed_samples, base.pad_id, base.skip)
+        self.skipped_samples = base.skipped_samples
         self.num_workers, self.batch_size_at = num_workers, batch_size_at
         self.pin_memory, self.prefetch_factor = pin_memory, prefetch_factor
         self._iter: Optional[Iterator] = None
         self._iter_at = -1  # consumed_samples the iterator's next batch starts at
 
     def _start(self) -> None:
-        sampler = _RankBatches(self.consumed_samples, self.dp_rank, self.dp_size, self.batch_size_at)
+        sampler = _RankBatches(self, self.batch_size_at)
         loader = DataLoader(
             _Samples(self.source),
             batch_sampler=sampler,
@@ -96,11 +94,9 @@ class PrefetchingBatchLoader(GlobalBatchLoader):
             self.close()
             self._start()
         tokens, labels, loss_mask = next(self._iter)
-        per_rank = global_batch_size // self.dp_size
-        start = self.consumed_samples + self.dp_rank * per_rank
-        self.consumed_samples += global_batch_size
+        mine = self._take(global_batch_size)  # the same indices the sampler gave the workers
         self._iter_at = self.consumed_samples
-        return Batch(tokens, labels, loss_mask, tuple(range(start, start + per_rank)))
+        return Batch(tokens, labels, loss_mask, tuple(mine))
 
     def close(self) -> None:
         """Stop the workers (they restart at the next batch)."""

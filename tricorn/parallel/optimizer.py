@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -148,12 +148,14 @@ class Optimizer:
 
     # ------------------------------------------------------------ step
 
-    def step(self) -> StepInfo:
+    def step(self, veto: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None) -> StepInfo:
         """One optimizer step with no host read: the norm, the overflow flag and the skip stay on the device.
 
         With a loss scaler, a step whose gradients hold an inf/nan on any rank (or, with
         --check-for-nan-in-loss-and-grad, whose norm is not finite) is skipped by the fused AdamW
         kernel's found_inf argument, which leaves parameters, moments and step counts untouched.
+        `veto(norm, overflow)` (--check-for-spiky-loss, tricorn/training/spikes.py) returns a device bool
+        that skips the step the same way; the norm it sees is the global one, before clipping.
         """
         self.iteration += 1
         grads = [s.grads_for_step() for s in self.shards]
@@ -171,6 +173,9 @@ class Optimizer:
             if self.cfg.training.check_for_nan_in_loss_and_grad:
                 skip = skip | ~torch.isfinite(norm)
             norm = torch.where(skip, float("nan"), norm)  # a skipped step reports no norm, as Megatron's log does
+        if veto is not None:  # a spike skips the step but keeps its norm: the log line shows what spiked
+            spike = veto(norm, skip)
+            skip = spike if skip is None else skip | spike
         clip_grads(self.params, self.cfg.training.clip_grad, norm, grad_fn=grad_fn)
         gather = self.opts.stage in (1, 2)
         for i in self._forward_order:  # each bucket's gather starts right after its step, first-used bucket first

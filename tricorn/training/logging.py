@@ -11,7 +11,9 @@ log, as Megatron does; the rest as of the logged iteration): lm loss, learning-r
 skipped-iterations (so far in this run), iteration-time (s), throughput (model TFLOP/s per device), tokens-per-sec,
 mfu (percent; needs a peak: the GPU table or --peak-tflops), mem-allocated-bytes and
 mem-max-allocated-bytes (CUDA allocator; process RSS on CPU; the largest rank), and with
---timing-log-level >= 1 "<phase>-time" (s per iteration; level 2 adds -min/-max over ranks).
+--timing-log-level >= 1 "<phase>-time" (s per iteration; level 2 adds -min/-max over ranks); with more than
+one rank straggler-slowest-rank, straggler-slowest-seconds and straggler-median-seconds (stragglers.py); with
+--check-for-spiky-loss spiky-iterations (spikes.py).
 FLOPs come from tricorn.planning.flops (model FLOPs for throughput and MFU; hardware FLOPs with
 recomputation in the start-up block). The metrics-file records keep the iteration's own values.
 
@@ -301,6 +303,9 @@ class MetricsLogger:
             **({"params-norm": pnorm} if pnorm is not None else {}),
             **({"mfu": iv.mfu_pct} if iv.mfu_pct is not None else {}),
         }
+        straggler = getattr(trainer, "straggler_report", None)  # slowest rank and median (stragglers.py)
+        if straggler is not None:
+            values.update(straggler.scalars())
         self.scalars(iteration, values, iv.consumed_samples * cfg.model.seq_length)
         timer_values = {f"{k}-time": v for k, v in phase_times.items()}
         for name, (lo, hi) in min_max.items():
@@ -325,9 +330,10 @@ class MetricsLogger:
                 **({"params_norm": pnorm} if pnorm is not None else {}),
                 **({"mfu": iv.mfu_pct} if iv.mfu_pct is not None else {}),
                 **({"timers": phase_times} if phase_times else {}),
+                **({"straggler": straggler.scalars()} if straggler is not None else {}),
             },
         )
-        self.console(_console_line(iteration, cfg.training.train_iters, iv, last, pnorm, eta))
+        self.console(_console_line(iteration, cfg.training.train_iters, iv, last, pnorm, eta, straggler))
         if phase_times:
             self.console(_timers_line(phase_times, min_max))
 
@@ -419,7 +425,9 @@ def _memory_estimate_lines(cfg: Config) -> list[str]:
     ]
 
 
-def _console_line(iteration: int, total: int, iv: Interval, last: Any, pnorm: Optional[float], eta: float) -> str:
+def _console_line(
+    iteration: int, total: int, iv: Interval, last: Any, pnorm: Optional[float], eta: float, straggler: Any = None
+) -> str:
     """Megatron's training_log line, plus params norm, tokens/s, TFLOP/s per device, MFU and ETA."""
     parts = [
         f" iteration {iteration:8d}/{total:8d}",
@@ -436,6 +444,7 @@ def _console_line(iteration: int, total: int, iv: Interval, last: Any, pnorm: Op
         f"tokens/s: {iv.tokens_per_sec:.0f}",
         f"TFLOP/s per device: {iv.tflops:.3g}",
         *([f"MFU: {iv.mfu_pct:.1f}%"] if iv.mfu_pct is not None else []),
+        *([straggler.console()] if straggler is not None else []),
         f"ETA: {format_duration(eta)}",
     ]
     return " | ".join(parts)

@@ -47,6 +47,8 @@ from tricorn.training.faults import maybe_inject
 from tricorn.training.logging import MetricsLogger, warn
 from tricorn.training.lr_schedule import learning_rate
 from tricorn.training.memory_report import iteration_peak, write_memory_report
+from tricorn.training.spikes import SpikeGuard
+from tricorn.training.stragglers import StragglerMonitor, StragglerReport
 
 
 class NaNError(RuntimeError):
@@ -90,6 +92,9 @@ class Trainer:
     _nan_first: Optional[torch.Tensor] = None  # [iteration, loss, grad norm] of the first non-finite iteration (device)
     moe: Optional[MoEMonitor] = None  # router statistics and the expert-bias update (parallel/expert.py)
     _recompile_warned: bool = False  # --torch-compile: a recompilation after iteration 1 was reported
+    spikes: Optional[SpikeGuard] = None  # --check-for-spiky-loss: skips spiky iterations on the device (spikes.py)
+    stragglers: Optional[StragglerMonitor] = None  # each rank's own work, gathered at log lines (stragglers.py)
+    straggler_report: Optional[StragglerReport] = None  # of the last log line (logging.py shows it)
 
     # ------------------------------------------------------------ batches
 
@@ -128,16 +133,24 @@ class Trainer:
         self.optimizer.zero_grad()
         microbatches = self._microbatches(batch, num_microbatches)
         ctx = StepContext(self.optimizer, self._global_tokens(microbatches), prepare=self._cp_slice, timers=self.timers)
-        with self.timers(FORWARD_BACKWARD):
+        with self.timers(FORWARD_BACKWARD), self._own_work():
             local_loss = self.forward_backward(self.chunks, microbatches, ctx)
         with self.timers(GRADS_REDUCE_WAIT):
             self.optimizer.finish_grad_sync()
         with self.timers(OPTIMIZER_STEP):
             self._wait_step_fences()
-            info = self.optimizer.step()
+            if self.spikes is None:
+                info = self.optimizer.step()
+            else:  # the global loss is needed before the step: the spike guard may veto it
+                loss = self.spikes.observed(self._reduce_loss(local_loss), self.iteration)
+                info = self.optimizer.step(veto=self.spikes.veto(loss, self.iteration, self.train_loader.last_batch_ids))
         if self.moe is not None:
             self.moe.after_step(info.skipped)  # the skip flag stays on the device
-        return self._reduce_loss(local_loss), info
+        return (loss if self.spikes is not None else self._reduce_loss(local_loss)), info
+
+    def _own_work(self):
+        """A phase in which this rank waits for no peer: what the straggler monitor times."""
+        return self.stragglers.span() if self.stragglers is not None else nullcontext()
 
     def _wait_step_fences(self) -> None:
         """The device waits (the host does not) for work that must read the state before the step writes it."""
@@ -175,7 +188,7 @@ class Trainer:
         gbs, nmb = self.batch_sizes()
         lr = learning_rate(self.cfg.training, self.iteration)
         self.optimizer.set_lr(lr)
-        with self.timers(DATA_LOADING):
+        with self.timers(DATA_LOADING), self._own_work():
             batch = self.train_loader.next(gbs)
         maybe_inject(self.state.rank, self.iteration)  # tests only: $TRICORN_TEST_FAULT kills/stops/stalls a rank
         loss, info = self.train_step(batch, nmb)
@@ -229,13 +242,27 @@ class Trainer:
 
     def log(self, r: IterationResult) -> None:
         """Console line, TensorBoard and metrics of the iterations since the last log (logging.py); all ranks call it."""
-        moe = self.moe.collect() if self.moe is not None else None  # router statistics (collectives, on the device)
-        moe_values = self.materialize(moe)
+        # Collectives on the device first (router statistics, each rank's own work), then one host read of everything.
+        extras = {
+            "moe": self.moe.collect() if self.moe is not None else None,
+            "stragglers": self.stragglers.gather(len(self.unlogged)) if self.stragglers is not None else None,
+            "spikes": self.spikes.records() if self.spikes is not None else None,
+        }
+        present = {k: t.flatten() for k, t in extras.items() if t is not None}
+        flat = self.materialize(torch.cat(list(present.values())) if present else None)
+        values: dict[str, list[float]] = {}
+        for k, t in present.items():
+            values[k], flat = flat[: t.numel()], flat[t.numel() :]
+        if self.stragglers is not None:
+            self.straggler_report = self.stragglers.report(values["stragglers"], self.iteration)
         self.logger.log_iteration(self)
         if self.moe is not None:
-            values = self.moe.values(moe_values)
-            self.logger.scalars(self.iteration, values)
-            self.logger.record(self.iteration, {"moe": values})
+            moe = self.moe.values(values["moe"])
+            self.logger.scalars(self.iteration, moe)
+            self.logger.record(self.iteration, {"moe": moe})
+        if self.spikes is not None:  # after the iteration's line: names the spiky iterations, may stop the run
+            self.logger.scalars(self.iteration, self.spikes.report(values.get("spikes", []), self.iteration, self.logger.console))
+            self.spikes.check_limit(self.iteration)
 
     def train(self) -> None:
         t, d = self.cfg.training, self.cfg.data

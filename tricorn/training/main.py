@@ -144,6 +144,8 @@ def build_trainer(cfg: Config, state, logger, with_validation: bool = True):
     from tricorn.parallel.expert import MoEMonitor
     from tricorn.timers import Timers
     from tricorn.training.loop import Trainer
+    from tricorn.training.spikes import SpikeGuard
+    from tricorn.training.stragglers import StragglerMonitor
 
     chunks, optimizer, forward_backward = build(cfg, state)
     train_loader, valid_loader = build_loaders(cfg, state)
@@ -159,6 +161,8 @@ def build_trainer(cfg: Config, state, logger, with_validation: bool = True):
         forward_backward,
         timers=timers,
         moe=MoEMonitor.for_model(cfg, chunks, state),
+        spikes=SpikeGuard.from_config(cfg, state.device),
+        stragglers=StragglerMonitor.from_config(cfg, state),
     )
     return trainer
 
@@ -221,6 +225,7 @@ def _train(cfg: Config, state, exits) -> int:
     from tricorn.data.errors import DataError
     from tricorn.training.logging import MetricsLogger
     from tricorn.training.loop import NaNError
+    from tricorn.training.spikes import SpikeLimit
     from tricorn.training.watchdog import Watchdog
 
     logger = MetricsLogger(cfg, state.rank, state.device)
@@ -238,6 +243,13 @@ def _train(cfg: Config, state, exits) -> int:
         ckpt.finish(trainer)  # the final save, and the wait for a background one
         trainer.optimizer.wait_all()  # nothing in flight when the groups go
         return 0
+    except SpikeLimit as e:  # raised alike on every rank at a log line: save, then one line
+        ckpt.finish(trainer)
+        trainer.optimizer.wait_all()  # nothing in flight when the groups go
+        saved = (
+            f"checkpoint of iteration {trainer.iteration} saved in {cfg.checkpoint.save}" if cfg.checkpoint.save else "no --save"
+        )
+        return fail(f"{e} ({saved})", RUN_ERROR, prints=state.rank == 0)
     except (NaNError, DataError, CheckpointError) as e:
         # Raised alike on every rank (checked before, or gathered by, the collectives): printed once.
         return fail(str(e), RUN_ERROR, prints=state.rank == 0)
