@@ -22,7 +22,7 @@ Memory: from ``B`` to ``W`` a linear keeps its input (as its saved tensor would 
 but the gathered sequence under SP: TP x its shard) and its output gradient; the rest of
 the microbatch's graph is freed at ``B``. A ``W`` computes one weight gradient at a time and
 drops each linear's pair as soon as its gradient is handed over, so beyond the queue it holds
-one weight gradient (``planning/activations.weight_grad_store_bytes`` counts the queue). Other weight gradients (norms, embedding,
+one weight gradient (``planning/zero_bubble_memory.py`` counts the queue). Other weight gradients (norms, embedding,
 experts) are computed in ``B``.
 
 Without an open store the linears are plain ``F.linear`` (the path of every other schedule).

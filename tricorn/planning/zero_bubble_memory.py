@@ -82,8 +82,12 @@ def _chunk_queue(model: ModelConfig, layout: Layout, layer_ids: range, head: boo
     if head:
         h, vocab = model.hidden_size, model.padded_vocab_size(layout.tp)
         queue.append(DeferredLinear(h, vocab / layout.tp, vocab / layout.tp * h))
+    kinds: dict[bool, list[DeferredLinear]] = {}  # a dense layer's linears, an MoE layer's
     for layer_id in reversed(layer_ids):
-        queue += layer_deferred_linears(model, layer_id, layout.tp)
+        moe = model.is_moe_layer(layer_id)
+        if moe not in kinds:
+            kinds[moe] = layer_deferred_linears(model, layer_id, layout.tp)
+        queue += kinds[moe]
     return queue
 
 
@@ -91,24 +95,26 @@ def _tokens(model: ModelConfig, layout: Layout) -> int:
     return model.seq_length // layout.cp * layout.micro_batch
 
 
-def weight_grad_store_bytes(model: ModelConfig, layout: Layout, layer_ids: range, head: bool = False) -> float:
-    """Bytes a chunk of ``layer_ids`` (and the head) keeps from a microbatch's B to its W (module docstring)."""
-    e, tokens = activation_element_bytes(layout.precision), _tokens(model, layout)
-    return e * tokens * sum(d.input_per_token + d.grad_per_token for d in _chunk_queue(model, layout, layer_ids, head))
-
-
-def weight_pass_excess_bytes(model: ModelConfig, layout: Layout, layer_ids: range, head: bool = False) -> float:
-    """At its highest, what a chunk's W holds beyond its store: the weight gradient in hand, less the pairs
-    already consumed (the W runs the queue in order and drops each pair once its gradient is handed over)."""
+def weight_grad_store_bytes(model: ModelConfig, layout: Layout, layer_ids: range, head: bool = False) -> tuple[float, float]:
+    """(store, excess) of a chunk of ``layer_ids`` (and the head): the bytes it keeps from a microbatch's B to
+    its W (module docstring), and at its highest what its W holds beyond that store - the weight gradient in
+    hand less the pairs already consumed (the W runs the queue in order and drops each pair once its gradient
+    is handed over)."""
     e, tokens = activation_element_bytes(layout.precision), _tokens(model, layout)
     freed, excess = 0.0, 0.0
     for d in _chunk_queue(model, layout, layer_ids, head):
         excess = max(excess, e * d.weight_elements - freed)
         freed += e * tokens * (d.input_per_token + d.grad_per_token)
-    return excess
+    return freed, excess
 
 
-@functools.lru_cache(maxsize=64)
+# A zero-bubble schedule's steady phase repeats one pattern, so a rank's peak is the same for every
+# microbatch count from 3 pp on (tests/test_pipeline_zero_bubble.py walks the lists up to 6 pp): the walk
+# runs that many, whatever the batch (the planner asks for thousands of microbatches).
+STEADY_MICROBATCHES = 3
+
+
+@functools.lru_cache(maxsize=256)
 def _compute_actions(pp: int, chunks: int, m: int, schedule: str) -> tuple[tuple, ...]:
     """Each rank's F, B and W in order (the planner asks for the same pipeline many times: cached)."""
     from tricorn.parallel.pipeline.schedules import schedule_for
@@ -133,55 +139,86 @@ def zero_bubble_activation_peak(
     """The highest activation bytes of pipeline rank ``stage`` (``layers`` transformer layers from global layer
     ``first_layer`` on the loop placement; on the v placement two chunks of ``layers / 2`` placed by their
     virtual stage), walking the rank's action list (module docstring)."""
-    from tricorn.parallel.pipeline.actions import (
-        BACKWARD,
-        FORWARD,
-        WEIGHT,
-        V,
-        is_first_stage,
-        is_last_stage,
-        virtual_stage,
-    )
+    from tricorn.parallel.pipeline.actions import V, is_first_stage, is_last_stage, virtual_stage
     from tricorn.parallel.pipeline.schedules import placement_of
 
     placement = placement_of(layout.schedule)
     chunks = 2 if placement == V else 1
-    actions = _compute_actions(layout.pp, chunks, layout.num_microbatches, layout.schedule)[stage]
+    m = min(layout.num_microbatches, STEADY_MICROBATCHES * layout.pp)  # the same peak for any larger m
     per_chunk = layers // chunks
     ids = _ids_bytes(layout) * _tokens(model, layout)
     held, rebuilt, store, excess, loss = [], [], [], [], []
+    # Both chunks hold the same layer count: one microbatch's layers (under full recompute the stored inputs,
+    # and the group a B rebuilds).
+    rebuild = stage_activation_bytes(model, layout, stage, per_chunk, profile, in_flight=0)
+    chunk_held = stage_activation_bytes(model, layout, stage, per_chunk, profile, in_flight=1) - rebuild
     for c in range(chunks):
         head = is_last_stage(stage, c, layout.pp, chunks, placement)
         start = virtual_stage(stage, c, layout.pp, placement) * per_chunk if placement == V else first_layer
         ids_c = range(start, start + per_chunk)  # which layers: MoE layers have fewer deferred linears
-        rebuild = stage_activation_bytes(model, layout, stage, per_chunk, profile, in_flight=0)
-        held.append(stage_activation_bytes(model, layout, stage, per_chunk, profile, in_flight=1) - rebuild)
-        held[-1] += ids if is_first_stage(stage, c) else 0.0
+        held.append(chunk_held + (ids if is_first_stage(stage, c) else 0.0))
         # Under full recompute one group is rebuilt during the B; on the first stage the B ends in the embedding's.
         rebuilt.append(max(rebuild, embedding_backward_bytes(model, layout) if is_first_stage(stage, c) else 0.0))
-        store.append(weight_grad_store_bytes(model, layout, ids_c, head))
-        excess.append(weight_pass_excess_bytes(model, layout, ids_c, head))
+        kept, extra = weight_grad_store_bytes(model, layout, ids_c, head)
+        store.append(kept)
+        excess.append(extra)
         loss.append(loss_part_bytes(model, layout, layout.head_stage, profile) if head else 0.0)
-    state, forwarded, stored = 0.0, 0, 0
-    best = ZeroBubblePeak(0.0, 0.0, 0, 0)
+    return peak_of(_rank_moments(layout.pp, chunks, m, layout.schedule, stage), ChunkBytes(held, rebuilt, store, excess, loss))
 
-    def moment(total: float, loss_part: float = 0.0) -> None:
-        nonlocal best
-        if total > best.activations:
-            best = ZeroBubblePeak(total, loss_part, forwarded, stored)
 
+@dataclass(frozen=True)
+class ChunkBytes:
+    """Per chunk of a rank: activations from F to B, the B's own extra (a rebuilt group, the embedding's
+    gradient), the store from B to W, the W's extra (``weight_grad_store_bytes``), the loss part at its F."""
+
+    held: list[float]
+    rebuilt: list[float]
+    store: list[float]
+    excess: list[float]
+    loss: list[float]
+
+
+Moment = tuple[tuple[int, ...], tuple[int, ...], str, int]  # pairs per chunk between F-B, B-W; what else; chunk
+
+
+def moments(actions, chunks: int) -> tuple[Moment, ...]:
+    """The distinct moments of one rank's compute actions that can be its peak, in order: after each F (with
+    the loss part on the head's chunk), after each B (with what it rebuilt), before each W's release (with the
+    weight gradient in hand). Each is the count of (microbatch, chunk) pairs of every chunk in either form."""
+    from tricorn.parallel.pipeline.actions import BACKWARD, FORWARD
+
+    forwarded, stored = [0] * chunks, [0] * chunks
+    out: dict[Moment, None] = {}
     for a in actions:
         c = a.chunk
         if a.kind is FORWARD:
-            forwarded += 1
-            state += held[c]
-            moment(state + loss[c], loss[c])
+            forwarded[c] += 1
+            out[(tuple(forwarded), tuple(stored), "loss", c)] = None
         elif a.kind is BACKWARD:
-            forwarded, stored = forwarded - 1, stored + 1
-            state += store[c] - held[c]
-            moment(state + rebuilt[c])
-        elif a.kind is WEIGHT:
-            moment(state + excess[c])
-            stored -= 1
-            state -= store[c]
+            forwarded[c], stored[c] = forwarded[c] - 1, stored[c] + 1
+            out[(tuple(forwarded), tuple(stored), "rebuilt", c)] = None
+        else:
+            out[(tuple(forwarded), tuple(stored), "excess", c)] = None
+            stored[c] -= 1
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_moments(pp: int, chunks: int, m: int, schedule: str, rank: int) -> tuple[Moment, ...]:
+    return moments(_compute_actions(pp, chunks, m, schedule)[rank], chunks)
+
+
+def peak_of(points: tuple[Moment, ...], b: ChunkBytes) -> ZeroBubblePeak:
+    """The highest of ``points`` for the chunks' bytes ``b`` (the first one, of equals)."""
+    best = ZeroBubblePeak(0.0, 0.0, 0, 0)
+    for forwarded, stored, extra, c in points:
+        state = sum(n * x for n, x in zip(forwarded, b.held)) + sum(n * x for n, x in zip(stored, b.store))
+        part = getattr(b, extra)[c]
+        if state + part > best.activations:
+            best = ZeroBubblePeak(state + part, part if extra == "loss" else 0.0, sum(forwarded), sum(stored))
     return best
+
+
+def walk_peak(actions, b: ChunkBytes) -> ZeroBubblePeak:
+    """The highest moment along one rank's compute actions (module docstring)."""
+    return peak_of(moments(actions, len(b.held)), b)
