@@ -324,12 +324,14 @@ class Buffers:
 
 
 def _pipeline_buffer_bytes(model: ModelConfig, layout: Layout) -> float:
-    """A received activation and a gradient to send, per direction (PP only)."""
+    """PP only, messages of [s / CP (/ TP under SP), b, h]: a received activation and a gradient to send, and
+    the receive the next compute needs, posted one compute early (pipeline/p2p.py). A sent stage output keeps
+    no data once its send is done (p2p.free_data), so the outputs of the microbatches in flight count nothing."""
     if layout.pp == 1:
         return 0.0
     tokens = model.seq_length // layout.cp * layout.micro_batch
     return (
-        2
+        3
         * activation_element_bytes(layout.precision)
         * tokens
         * model.hidden_size
