@@ -61,7 +61,7 @@ class RecordingOptimizer:
         self.calls: list[tuple[int, bool]] = []
 
     @contextlib.contextmanager
-    def microbatch(self, is_last: bool, chunk: int):
+    def microbatch(self, is_last: bool, chunk: int, expected=None):
         self.calls.append((chunk, is_last))
         yield
 

@@ -85,6 +85,10 @@ class WeightGradStore:
             _WeightGrad.apply(*items.pop()).backward()
         return n
 
+    def weights(self, key: Key) -> list[torch.Tensor]:
+        """The parameters whose gradients the W of ``key`` will deliver."""
+        return [w for w, _, _ in self.queues.get(key, [])]
+
     def pending(self) -> int:
         return sum(len(q) for q in self.queues.values())
 

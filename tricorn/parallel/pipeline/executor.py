@@ -223,7 +223,10 @@ class PipelineExecutor:
     def _weight(self, a: Action, run: _Run, is_last: bool) -> None:
         key = (a.microbatch, a.chunk)
         assert run.store is not None
-        with run.ctx.optimizer.microbatch(is_last=is_last, chunk=a.chunk):
+        # The last W of a chunk delivers only its weights' gradients (every other one is in): the DP buckets
+        # are complete as those arrive, and start their reduction from the W's hooks (--overlap-grad-reduce).
+        expected = run.store.weights(key) if is_last else None
+        with run.ctx.optimizer.microbatch(is_last=is_last, chunk=a.chunk, expected=expected):
             self.weights_deferred += run.store.run(key)
         run.held.discard(key)
 
