@@ -407,7 +407,9 @@ def microbatches_in_flight(layout: Layout, stage: int) -> float:
 
     The zero-bubble schedules hold a microbatch until its W (tricorn.parallel.pipeline.zero_bubble; the
     simulator's peaks, tests/test_pipeline_zero_bubble.py): zb-h1 min(pp, m) on every stage, zbv 2 pp
-    half-stage chunks (pp microbatches), dualpipev 2 pp + 1 chunks."""
+    half-stage chunks (pp microbatches), dualpipev 2 pp + 1 chunks. That count is what the estimate reports;
+    their bytes come from zero_bubble_memory.py, which tells activations (F to B) from weight-gradient
+    stores (B to W) along each rank's own order."""
     p, v, m = layout.pp, layout.vpp, layout.num_microbatches
     if p == 1:
         return 1.0
