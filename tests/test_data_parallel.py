@@ -14,6 +14,7 @@ from torch import nn
 
 from tricorn.config import MIN_BUCKET_ELEMENTS, ModelConfig, config_from_args, default_bucket_elements
 from tricorn.model import GPTModel
+from tricorn.parallel import wgrad
 from tricorn.parallel.data_parallel import Bucket, DataParallel, DPOptions, dp_options, plan_param_buckets
 from tricorn.planning.layout import Layout
 from tricorn.validation import validate
@@ -174,3 +175,52 @@ def test_zero2_and_zero3_peak_gradient_memory():
     """DP=4: the peak of live gradient storage during backward is at most full/DP + 2 buckets (ZeRO-2 and 3)."""
     out = run_script(WORKER, 4, ["peak"], timeout=600)
     assert out.strip().endswith("ok"), out
+
+
+class _Deferred(nn.Module):
+    """Two linears whose weight gradients a zero-bubble W computes (wgrad.py), then a norm weight whose gradient the B
+    computes, as a norm's: three buckets at bucket size 8, in backward order norm, b, a."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8, bias=False)
+        self.b = nn.Linear(8, 8, bias=False)
+        self.norm = nn.LayerNorm(8, bias=False)  # registered last: its bucket comes first in backward order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return wgrad.linear(wgrad.linear(x, self.a.weight), self.b.weight) * self.norm.weight
+
+
+def test_last_weight_pass_starts_each_bucket_from_its_own_hook(one_rank):
+    """Issue 30: with --overlap-grad-reduce the last W of a chunk delivers only the deferred weights, so a bucket
+    whose gradients all came in the B's is complete at once and one of deferred weights when its weight
+    arrives: each starts reducing from that hook, before the W is over (without ``expected`` the norm's bucket
+    would wait for a gradient the W never brings, and hold every later one back to the end) - and the gradients
+    are a plain backward's (the same products accumulated in the same order, bitwise)."""
+    torch.manual_seed(0)
+    model = _Deferred()
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, one_rank, DPOptions(stage=0, bucket_size=8, overlap_grad_reduce=True))
+    assert len(dp.buckets) == 3
+    xs = [torch.randn(4, 8) for _ in range(2)]
+    store = wgrad.WeightGradStore()
+    dp.trace = []
+    with store.collecting():
+        for i, x in enumerate(xs):  # the B's: the norm's gradient now, the weights' queued
+            with dp.microbatch(is_last=False), store.backward_input((i, 0)):
+                model(x).sum().backward()
+        with dp.microbatch(is_last=False):
+            store.run((0, 0))
+        with dp.microbatch(is_last=True, expected=store.weights((1, 0))):
+            store.run((1, 0))
+    kinds = [k for k, _ in dp.trace]
+    grads_in_last_w = [i for i, k in enumerate(kinds) if k == "grad"][-2:]
+    launches = [i for i, k in enumerate(kinds) if k == "launch"]
+    # The norm's bucket (complete since the B's) starts as the W begins, b's at b's gradient, before a's arrives.
+    assert len(launches) == 3 and launches[0] < grads_in_last_w[0] < launches[1] < grads_in_last_w[1], kinds
+    dp.finish_grad_sync()
+    for x in xs:
+        ref(x).sum().backward()
+    owned = dp.owned_grads()
+    for n, p in model.named_parameters():
+        assert torch.equal(owned[id(p)], dict(ref.named_parameters())[n].grad.reshape(-1)), n

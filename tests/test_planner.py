@@ -184,3 +184,46 @@ def test_cpu_job_renders_without_gpu_lines() -> None:
     assert "--gpus-per-node" not in text and "--exclusive" not in text and "NCCL" not in text
     assert "--device cpu" in text and "#SBATCH --ntasks-per-node=2" in text
     assert GiB  # keeps the import honest
+
+
+def test_planner_considers_the_zero_bubble_schedules_and_writes_the_flag() -> None:
+    """Issue 30: for PP >= 2 the planner weighs zb-h1 (one chunk) and zbv / dualpipev (2 chunks of an even split,
+    untied embeddings), never with FP8's own GEMMs; where one is fastest beyond the interval it comes first, and
+    the sbatch flags name it."""
+    from tricorn.config import config_from_args
+    from tricorn.parallel.pipeline.stages import validate_pipeline
+
+    m = ModelConfig(**PRESETS["llama3-70b"])
+    assert m.untie_embeddings_and_output_weights
+    base = Layout(tp=8, pp=8, dp=1, sequence_parallel=True, zero_stage=0)
+    assert planner.schedules(m, base, 8, 1, (None, None)) == ("1f1b", "zb-h1")
+    assert planner.schedules(m, base, 8, 2, (None, None)) == ("1f1b", "zbv", "dualpipev")
+    assert planner.schedules(m, base, 8, 2, (9, 9)) == ("1f1b",)  # uneven split: no V
+    assert planner.schedules(m, base, 1, 1, (None, None)) == ("1f1b",)
+    fp8 = Layout(tp=8, pp=8, fp8_recipe="tensorwise")
+    assert planner.schedules(m, fp8, 8, 1, (None, None)) == ("1f1b",)
+    tied = ModelConfig(**{**PRESETS["llama3-70b"], "untie_embeddings_and_output_weights": False})
+    assert planner.schedules(tied, base, 8, 2, (None, None)) == ("1f1b",)
+
+    # 16 microbatches over 8 stages: 1F1B idles 7 of 23 microbatch times, the zero-bubble schedules a third of that
+    # or less - beyond the calibration interval - and they hold more memory (the W's stores).
+    cluster = Cluster(64, 8, H100, 989.0)
+    plans = []
+    for vpp, kind in ((1, "1f1b"), (1, "zb-h1"), (2, "1f1b"), (2, "zbv"), (2, "dualpipev")):
+        lay = Layout(tp=8, pp=8, dp=1, vpp=vpp, num_microbatches=16, sequence_parallel=True, schedule=kind)
+        plans.append(planner.evaluate(m, lay, cluster, 16, planner.worst_memory(m, lay)))
+    times = {(p.layout.vpp, p.layout.schedule): p.step_time_s for p in plans}
+    assert times[(1, "zb-h1")] < 0.85 * times[(1, "1f1b")] and times[(2, "zbv")] < 0.95 * times[(2, "1f1b")]
+    assert plans[1].memory_bytes > plans[0].memory_bytes
+    ranked = planner.rank(plans)
+    top = ranked[0]
+    assert top.layout.schedule in ("zb-h1", "zbv", "dualpipev") and not plans[0].tie  # plain 1F1B: beyond the interval
+
+    for p in plans[1:]:  # every zero-bubble layout's flags run as that schedule; 1F1B's are the default's
+        if p.layout.schedule == "1f1b":
+            assert "--pipeline-schedule" not in sbatch.layout_args(p.layout, 16)
+            continue
+        args = ["--model-preset", "llama3-70b", *sbatch.layout_args(p.layout, 16), *sbatch.llama_hyperparameters(70e9, 16 * 8192)]
+        cfg = config_from_args(args, world_size=64)
+        assert cfg.parallel.pipeline_schedule == p.layout.schedule and cfg.virtual_stages == p.layout.vpp
+        assert validate_pipeline(cfg) == []

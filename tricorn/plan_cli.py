@@ -52,9 +52,16 @@ def _iv(p: Plan, name: str, fmt: str) -> str:
     return f"{format(getattr(p, name), fmt)} [{format(lo, fmt)}-{format(hi, fmt)}]"
 
 
+def _schedule(lay) -> str:
+    """The pipeline schedule the layout runs (--pipeline-schedule; 1f1b with virtual stages is interleaved)."""
+    if lay.pp == 1:
+        return "-"
+    return "interleaved" if lay.schedule == "1f1b" and lay.vpp > 1 else lay.schedule
+
+
 def _table(plans: list[Plan]) -> str:
     head = (
-        " #  TP PP VPP CP  DP  EP  mb  recompute       ZeRO  mem/GPU  step s [p10-p90]      tokens/s [p10-p90]      "
+        " #  TP PP VPP schedule    CP  DP  EP  mb  recompute       ZeRO  mem/GPU  step s [p10-p90]      tokens/s [p10-p90]      "
         "TFLOP/s/GPU      MFU [p10-p90]        HFU [p10-p90]        why"
     )
     rows = [head]
@@ -62,7 +69,7 @@ def _table(plans: list[Plan]) -> str:
         lay = p.layout
         pp = f"{lay.pp}" if lay.first_stage_layers is None else f"{lay.pp}*"
         rows.append(
-            f"{i:2d}{'=' if p.tie else ' '}{lay.tp:3d} {pp:>2} {lay.vpp:3d} {lay.cp:2d} {lay.dp:3d} {lay.ep:3d} {lay.micro_batch:3d}  "
+            f"{i:2d}{'=' if p.tie else ' '}{lay.tp:3d} {pp:>2} {lay.vpp:3d} {_schedule(lay):<11} {lay.cp:2d} {lay.dp:3d} {lay.ep:3d} {lay.micro_batch:3d}  "
             f"{recompute_text(lay):<15} {lay.zero_stage:4d} {p.memory_bytes / GiB:5.1f} GiB  {_iv(p, 'step_time_s', '.2f'):<21}"
             f"{_iv(p, 'tokens_per_s', '.0f'):<24}{_iv(p, 'tflops_per_gpu', '.0f'):<17}"
             f"{_iv(p, 'mfu', '.1%'):<21}{_iv(p, 'hfu', '.1%'):<21}{p.why}"

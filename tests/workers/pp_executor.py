@@ -28,7 +28,15 @@ from tricorn.model.transformer import GPTModel
 from tricorn.parallel.grads import reduce_tied_embedding_grads
 from tricorn.parallel.pipeline.build import build_model_chunks
 from tricorn.parallel.pipeline.executor import PipelineExecutor
-from tricorn.parallel.pipeline.schedules import V_SCHEDULES, WEIGHT, ZERO_BUBBLE, placement_of, schedule_for
+from tricorn.parallel.pipeline.schedules import (
+    SEND_FORWARD,
+    V_SCHEDULES,
+    WEIGHT,
+    ZERO_BUBBLE,
+    group_steps,
+    placement_of,
+    schedule_for,
+)
 from tricorn.parallel.pipeline.simulator import simulate
 from tricorn.parallel.state import init_parallel
 from tricorn.parallel.step import StepContext
@@ -53,7 +61,7 @@ class RecordingOptimizer:
         self.calls: list[tuple[int, bool]] = []
 
     @contextlib.contextmanager
-    def microbatch(self, is_last: bool, chunk: int):
+    def microbatch(self, is_last: bool, chunk: int, expected=None):
         self.calls.append((chunk, is_last))
         yield
 
@@ -134,6 +142,14 @@ def run_case(pp: int, vpp: int, m: int, kind, untied: bool, forward_only: bool) 
     sends = sum(a.kind.is_send for a in executor.order)
     # Exact byte count: micro batch 2 x seq 16 x hidden 32 float64 (8-byte) elements per send.
     assert executor.p2p.bytes_sent == sends * 2 * 16 * 32 * 8, f"{name}: {executor.p2p.bytes_sent} bytes for {sends} sends"
+
+    # P2P overlap: every receive but those of the first communication step was posted one step early; every
+    # sent output of a training step lost its data once sent (its backward still ran: the gradients below).
+    first = next((s for s in group_steps(executor.order) if not s[0].kind.is_compute), ())
+    recvs = sum(not a.kind.is_compute and not a.kind.is_send for a in executor.order)
+    assert executor.p2p.posted_early == recvs - sum(not a.kind.is_send for a in first), f"{name}: early receives"
+    freed = 0 if forward_only else sum(a.kind is SEND_FORWARD for a in executor.order)
+    assert executor.p2p.outputs_freed == freed, f"{name}: {executor.p2p.outputs_freed} outputs freed of {freed} sent"
 
     if forward_only:
         assert optimizer.calls == [], f"{name}: forward-only touched the optimizer"

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -156,9 +156,11 @@ class Bucket:
         self.gather_work: Optional[dist.Work] = None
         self.written = set()
 
-    def arm(self) -> None:
-        """Expect one gradient per parameter from the next backward."""
+    def arm(self, expected: Optional[set[int]] = None) -> None:
+        """Expect one gradient per parameter from the next backward (or only from the ``expected`` ones)."""
         self.pending = {id(s.param) for s in self.slots}
+        if expected is not None:
+            self.pending &= expected
         self.ready = False
 
     def owned(self, slot: Slot) -> tuple[int, int]:
@@ -399,12 +401,16 @@ class DataParallel:
         if self.trace is not None:
             self.trace.append(("grad", bucket.index))
         if not bucket.pending and not bucket.ready:
-            bucket.ready = True
-            if self.on_bucket_ready is not None:
-                self.on_bucket_ready(bucket)
-            # ZeRO-2/3 always reduce a bucket once it is complete: its buffer is transient and must go early.
-            if (self.opts.overlap_grad_reduce or self.opts.sharded_grads) and self.reduce_this_microbatch:
-                self._launch(ready_only=True)
+            self._complete(bucket)
+
+    def _complete(self, bucket: Bucket) -> None:
+        """Every gradient of this backward has reached ``bucket``."""
+        bucket.ready = True
+        if self.on_bucket_ready is not None:
+            self.on_bucket_ready(bucket)
+        # ZeRO-2/3 always reduce a bucket once it is complete: its buffer is transient and must go early.
+        if (self.opts.overlap_grad_reduce or self.opts.sharded_grads) and self.reduce_this_microbatch:
+            self._launch(ready_only=True)
 
     def _launch(self, ready_only: bool) -> None:
         while self.cursor < len(self.buckets):
@@ -428,11 +434,22 @@ class DataParallel:
         self.dirty = False
 
     @contextlib.contextmanager
-    def microbatch(self, is_last: bool) -> Iterator[None]:
-        """Around one backward of this chunk; gradients are reduced only on the last one (every one for ZeRO-2/3)."""
+    def microbatch(self, is_last: bool, expected: Optional[Collection[nn.Parameter]] = None) -> Iterator[None]:
+        """Around one backward of this chunk; gradients are reduced only on the last one (every one for ZeRO-2/3).
+
+        ``expected``: the only parameters whose gradients this backward delivers - a zero-bubble W, which runs
+        the deferred weight gradients after every other gradient of the chunk is in (pipeline/executor.py).
+        A bucket is then complete once its deferred weights are, and one that holds none is complete at once,
+        so with --overlap-grad-reduce the last W starts each bucket's reduction from the hook of the last
+        weight gradient that writes it."""
         self.in_microbatch, self.is_last = True, is_last
+        ids = None if expected is None else {id(p) for p in expected}
         for b in self.buckets:
-            b.arm()
+            b.arm(ids)
+        if ids is not None:
+            for b in self.buckets:
+                if not b.pending:
+                    self._complete(b)
         try:
             yield
         finally:

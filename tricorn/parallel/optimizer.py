@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -122,12 +122,13 @@ class Optimizer:
             p.grad = None
 
     @contextlib.contextmanager
-    def microbatch(self, is_last: bool, chunk: int = 0) -> Iterator[None]:
+    def microbatch(self, is_last: bool, chunk: int = 0, expected: Optional[Collection[torch.Tensor]] = None) -> Iterator[None]:
+        """Around one backward of chunk ``chunk`` (``DataParallel.microbatch``; ``expected``: a W's weights)."""
         dp = self.data_parallel[chunk]
         if is_last and self.iteration + 1 == self._inject_at and self.state.rank == self._inject_rank:
             dp.inject_inf = True
             self._inject_at = 0
-        with dp.microbatch(is_last):
+        with dp.microbatch(is_last, expected):
             yield
         if self.sharders[chunk] is not None:
             self.sharders[chunk].release_all()

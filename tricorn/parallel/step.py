@@ -8,9 +8,9 @@ anything: the DP replicas' gradients are simply summed. The pipeline executor
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from tricorn.timers import NULL_TIMERS, Timers
 
 
 class Optim(Protocol):
-    def microbatch(self, is_last: bool, chunk: int = 0): ...
+    def microbatch(self, is_last: bool, chunk: int = 0, expected: Optional[Collection[torch.Tensor]] = None): ...
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
 

@@ -10,8 +10,8 @@ gradients, deferred into what would be bubble). The executor opens a
 bias gradient) as usual but queues ``(weight, input, grad_output)`` under the key instead
 of the weight gradient. ``run(key)`` at the ``W`` action computes each
 ``grad_output.t().mm(input)`` - the product autograd itself computes for ``F.linear``, so
-the gradient is bitwise the plain backward's - and hands it to autograd as the weight's
-gradient (``torch.autograd.backward(weights, grads)``). Autograd's accumulation then runs
+the gradient is bitwise the plain backward's - as the backward of a one-node graph whose
+input is the weight, so autograd accumulates it as the weight's gradient. Autograd's accumulation then runs
 exactly as in a plain backward: the same in-place add into ``.grad`` and the same
 post-accumulate-grad hooks (the data-parallel buckets, ``data_parallel.py``).
 
@@ -20,7 +20,9 @@ shards; under SP the column-parallel input is all-gathered in ``B`` (as in a pla
 backward) and the gathered input is what is queued, so ``W`` sends nothing.
 Memory: from ``B`` to ``W`` a linear keeps its input (as its saved tensor would have been,
 but the gathered sequence under SP: TP x its shard) and its output gradient; the rest of
-the microbatch's graph is freed at ``B``. Other weight gradients (norms, embedding,
+the microbatch's graph is freed at ``B``. A ``W`` computes one weight gradient at a time and
+drops each linear's pair as soon as its gradient is handed over, so beyond the queue it holds
+one weight gradient (``planning/zero_bubble_memory.py`` counts the queue). Other weight gradients (norms, embedding,
 experts) are computed in ``B``.
 
 Without an open store the linears are plain ``F.linear`` (the path of every other schedule).
@@ -75,14 +77,37 @@ class WeightGradStore:
     def run(self, key: Key) -> int:
         """The W of ``key``: compute and accumulate its queued weight gradients; returns how many."""
         items = self.queues.pop(key, [])
-        if items:
-            weights = [w for w, _, _ in items]
-            grads = [grad2d.t().mm(inp2d) for _, inp2d, grad2d in items]  # autograd's own form for F.linear
-            torch.autograd.backward(weights, grads)
-        return len(items)
+        n = len(items)
+        # One product at a time, each item dropped once its gradient is handed over: the W holds the queue
+        # less what it has consumed plus one weight gradient, never all of the chunk's weight gradients at once.
+        items.reverse()
+        while items:
+            _WeightGrad.apply(*items.pop()).backward()
+        return n
+
+    def weights(self, key: Key) -> list[torch.Tensor]:
+        """The parameters whose gradients the W of ``key`` will deliver."""
+        return [w for w, _, _ in self.queues.get(key, [])]
 
     def pending(self) -> int:
         return sum(len(q) for q in self.queues.values())
+
+
+class _WeightGrad(torch.autograd.Function):
+    """A node whose backward is one queued product: the gradient is made inside the engine, so autograd's
+    accumulation takes it as the weight's ``.grad`` without a copy (a gradient handed in from outside,
+    ``torch.autograd.backward(weight, grad)``, is still referenced by the caller and gets cloned)."""
+
+    @staticmethod
+    def forward(ctx, weight, inp2d, grad2d):
+        ctx.pair = (inp2d, grad2d)
+        return weight.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        inp2d, grad2d = ctx.pair
+        ctx.pair = None  # the pair goes with this product, not with the node
+        return grad2d.t().mm(inp2d), None, None  # autograd's own form for F.linear
 
 
 def deferring() -> bool:

@@ -407,7 +407,9 @@ def microbatches_in_flight(layout: Layout, stage: int) -> float:
 
     The zero-bubble schedules hold a microbatch until its W (tricorn.parallel.pipeline.zero_bubble; the
     simulator's peaks, tests/test_pipeline_zero_bubble.py): zb-h1 min(pp, m) on every stage, zbv 2 pp
-    half-stage chunks (pp microbatches), dualpipev 2 pp + 1 chunks."""
+    half-stage chunks (pp microbatches), dualpipev 2 pp + 1 chunks. That count is what the estimate reports;
+    their bytes come from zero_bubble_memory.py, which tells activations (F to B) from weight-gradient
+    stores (B to W) along each rank's own order."""
     p, v, m = layout.pp, layout.vpp, layout.num_microbatches
     if p == 1:
         return 1.0
@@ -443,9 +445,18 @@ def layout_layer_bytes(model: ModelConfig, layout: Layout, profile: ActivationPr
     return layer_activation_bytes(model, **(kw | override), profile=profile)
 
 
-def stage_activation_bytes(model: ModelConfig, layout: Layout, stage: int, layers: int, profile: ActivationProfile) -> float:
-    """Transformer-layer activations alive on ``stage`` at its peak (full recompute: stored inputs + one group)."""
-    in_flight = microbatches_in_flight(layout, stage)
+def stage_activation_bytes(
+    model: ModelConfig,
+    layout: Layout,
+    stage: int,
+    layers: int,
+    profile: ActivationProfile,
+    in_flight: Optional[float] = None,
+) -> float:
+    """Transformer-layer activations alive on ``stage`` at its peak (full recompute: stored inputs + one group),
+    with ``in_flight`` microbatches (default: the schedule's ``microbatches_in_flight``)."""
+    if in_flight is None:
+        in_flight = microbatches_in_flight(layout, stage)
     if layout.recompute != "full":
         return layout_layer_bytes(model, layout, profile) * layers * in_flight
     full_layer = layout_layer_bytes(model, layout, profile, recompute=None)
@@ -498,6 +509,14 @@ def moe_backward_workspace(model: ModelConfig, layout: Layout) -> float:
     activation = e * copies * f * (3 if model.swiglu else 2)
     weight_grad = e * model.num_experts // layout.ep * up * h + e * copies * h  # 16-bit runs: 16-bit parameters
     return max(activation, weight_grad)
+
+
+def embedding_backward_bytes(model: ModelConfig, layout: Layout) -> float:
+    """The first stage's last backward, the embedding's: autograd builds its dense gradient (vocabulary / TP x
+    hidden, in the parameter dtype, which is the activations' e) from the gradient of its output (e per
+    element of the whole sequence), beside whatever else the rank holds then."""
+    e, tokens = activation_element_bytes(layout.precision), model.seq_length // layout.cp * layout.micro_batch
+    return e * (model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size + tokens * model.hidden_size)
 
 
 def loss_part_bytes(model: ModelConfig, layout: Layout, stage: int, profile: ActivationProfile = TRICORN) -> float:

@@ -14,7 +14,9 @@ replicated on every TP rank; the embedding lives on the first stage, the head on
 a second copy on the last stage when PP > 1.
 
 Activations (tricorn/planning/activations.py, whose docstring has the formulas): per layer x layers on the
-stage x microbatches in flight, the embedding / head / loss part, and the transient logits.
+stage x microbatches in flight, the embedding / head / loss part, and the transient logits. The zero-bubble
+schedules instead walk the rank's action list (planning/zero_bubble_memory.py): saved activations from F to B,
+the deferred linears' weight-gradient store from B to W.
 Buffers: pipeline send/recv tensors, ZeRO-3's gathered layer (and its prefetch). Stages 0-1 reduce gradients in
 place (no bucket beyond main_grad, whatever --ddp-bucket-size is). ZeRO-2/3 have a second candidate peak at the
 first layer's backward, with two full-size gradient buckets alive (``zero_backward_peak``); the larger one counts.
@@ -32,11 +34,13 @@ from typing import Optional
 
 from tricorn.config import Config, ModelConfig
 from tricorn.parallel.buckets import plan_buckets
+from tricorn.parallel.pipeline.actions import ZERO_BUBBLE
 from tricorn.planning.activations import (  # noqa: F401 - re-exported: the estimator's activation API lives here too
     KORTHIKANTI,
     TRICORN,
     ActivationProfile,
     activation_element_bytes,
+    embedding_backward_bytes,
     embedding_logits_bytes,
     korthikanti_layer_bytes,
     layer_activation_bytes,
@@ -50,6 +54,7 @@ from tricorn.planning.activations import (  # noqa: F401 - re-exported: the esti
 from tricorn.planning.context_comm import cp_transient_bytes
 from tricorn.planning.fp8_terms import fp8_terms
 from tricorn.planning.layout import Layout
+from tricorn.planning.zero_bubble_memory import zero_bubble_activation_peak
 
 GiB = 1024**3
 CUDA_OVERHEAD_BYTES = 1 * GiB
@@ -319,12 +324,14 @@ class Buffers:
 
 
 def _pipeline_buffer_bytes(model: ModelConfig, layout: Layout) -> float:
-    """A received activation and a gradient to send, per direction (PP only)."""
+    """PP only, messages of [s / CP (/ TP under SP), b, h]: a received activation and a gradient to send, and
+    the receive the next compute needs, posted one compute early (pipeline/p2p.py). A sent stage output keeps
+    no data once its send is done (p2p.free_data), so the outputs of the microbatches in flight count nothing."""
     if layout.pp == 1:
         return 0.0
     tokens = model.seq_length // layout.cp * layout.micro_batch
     return (
-        2
+        3
         * activation_element_bytes(layout.precision)
         * tokens
         * model.hidden_size
@@ -408,10 +415,8 @@ def zero_backward_peak(
     tokens = model.seq_length // layout.cp * layout.micro_batch
     workspace = activation_element_bytes(layout.precision) * tokens * model.ffn_size * (2 if model.swiglu else 1) / layout.tp
     layer_moment = layout_layer_bytes(model, layout, profile, recompute=None) + workspace
-    # The first stage's last backward is the embedding's: autograd builds its dense gradient (vocabulary x
-    # hidden, in the parameter dtype) from the gradient of its output, with the layer's tensors freed.
-    output_grad = activation_element_bytes(layout.precision) * tokens * model.hidden_size
-    embedding_moment = embedding * p_bytes + output_grad if embedding else 0.0
+    # The first stage's last backward is the embedding's (with the layer's tensors freed).
+    embedding_moment = embedding_backward_bytes(model, layout) if embedding else 0.0
     return others + max(layer_moment, embedding_moment), buffers
 
 
@@ -439,10 +444,14 @@ def estimate(
         n_experts = stage_expert_params_per_rank(model, layout, n_layers)
         # The distributed optimizer shards the routed experts over expert-DP (DP x CP / EP), the rest over DP x CP.
         state = state_of(n_params - n_experts, shard) + state_of(n_experts, shard // layout.ep)
-        activations = stage_activation_bytes(model, layout, stage, n_layers, profile)
+        if layout.pp > 1 and layout.schedule in ZERO_BUBBLE:  # the rank's own order of F, B and W decides
+            zb = zero_bubble_activation_peak(model, layout, stage, n_layers, profile, sum(layers[:stage]))
+            activations, logits = zb.activations - zb.loss_part, zb.loss_part
+        else:
+            activations = stage_activation_bytes(model, layout, stage, n_layers, profile)
+            logits = embedding_logits_bytes(model, layout, stage, profile)
         fp8 = fp8_terms(model, layout, n_layers, microbatches_in_flight(layout, stage))
         activations += fp8.activation_delta * n_layers * microbatches_in_flight(layout, stage)
-        logits = embedding_logits_bytes(model, layout, stage, profile)
         # The stage's first MoE layer backward: its workspace, where the last stage's loss part is released.
         # Likewise a layer's CP attention buffers in flight (context_comm.py: K/V pairs, fp32 accumulators).
         workspace = max(moe_backward_workspace(model, layout), cp_transient_bytes(model, layout))

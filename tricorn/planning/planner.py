@@ -5,7 +5,8 @@ Enumerated: TP (a divisor of the GPUs per node that divides the heads, key/value
 (2, 4, ..., 32 for sequences of CP_MIN_SEQ tokens or more, while each rank keeps >= 1024 tokens), PP (any
 count up to the layers; one that does not divide them puts the remainder on the first and last stages through
 --decoder-first/last-pipeline-num-layers), virtual stages (even splits, when the microbatch count divides by
-PP), DP (the rest; it must divide the global batch), micro batch (every divisor of the batch per DP rank, the
+PP), the pipeline schedule for PP >= 2 (1F1B or interleaved; zb-h1 on one chunk; zbv and dualpipev on 2 chunks
+of an even split with untied embeddings; none of the three with FP8 or Transformer Engine), DP (the rest; it must divide the global batch), micro batch (every divisor of the batch per DP rank, the
 largest that fits), recompute (none, selective of core_attn / mlp / mlp + norm / all three, full),
 distributed optimizer (off, ZeRO-1, and ZeRO-2/3 when PP = 1), and for a mixture of experts the expert-parallel
 size (a divisor of DP x CP and of the experts; ZeRO-2/3 only at EP 1). Sequence parallelism is on whenever TP > 1
@@ -15,7 +16,7 @@ A layout fits when the memory estimator's worst rank stays under (1 - --memory-m
 Step-time model: step_time.py, with factors calibrated on published runs (calibration.py). Each time figure
 carries the p10-p90 interval of the calibration's leave-one-out errors. Layouts whose interval overlaps the
 fastest one's are ties: among them the planner prefers no recompute and no ZeRO-2/3 (certain extra work), then
-less CP, fewer pipeline stages, less TP, fewer virtual stages, then less memory, and says so in the `why` column. MFU counts model FLOPs (no recompute),
+less CP, fewer pipeline stages, less TP, fewer virtual stages, the plainer schedule, then less memory, and says so in the `why` column. MFU counts model FLOPs (no recompute),
 HFU hardware FLOPs (recompute included).
 No collectives, no device work.
 """
@@ -39,6 +40,7 @@ from tricorn.planning.step_time import Cluster, step_time
 CP_MIN_SEQ = 16384  # below this, CP's split attention costs more than its memory saving is worth
 CP_SIZES = (1, 2, 4, 8, 16, 32)
 MAX_VPP = 8
+SCHEDULE_PREFERENCE = ("1f1b", "zb-h1", "zbv", "dualpipev")  # among ties, the plainer first
 # (granularity, modules), cheapest first. With flash attention the MLP holds most of a layer's activations.
 RECOMPUTE: tuple[tuple[Optional[str], tuple[str, ...]], ...] = (
     (None, ("core_attn",)),
@@ -79,6 +81,7 @@ class Plan:
             tp=lay.tp,
             pp=lay.pp,
             vpp=lay.vpp,
+            pipeline_schedule=lay.schedule,
             cp=lay.cp,
             dp=lay.dp,
             ep=lay.ep,
@@ -176,33 +179,58 @@ def cp_comm_types(model: ModelConfig, tp: int, cp: int) -> tuple[str, ...]:
     return tuple(c for c in CP_COMM_TYPES if c != "a2a" or (model.num_attention_heads // tp) % cp == 0)
 
 
+def schedules(model: ModelConfig, base: Layout, pp: int, vpp: int, split) -> tuple[str, ...]:
+    """The --pipeline-schedule values of a pipeline of ``pp`` ranks x ``vpp`` chunks: 1F1B (interleaved with
+    chunks), and where validate_pipeline admits them the zero-bubble ones - zb-h1 on one chunk, zbv and
+    dualpipev on 2 chunks of an even split with untied embeddings - but not with FP8 or Transformer Engine,
+    whose GEMMs compute their own weight gradients. (ZeRO-2/3 never meets PP here; m is checked per layout.)"""
+    if pp == 1:
+        return ("1f1b",)
+    zero_bubble = base.fp8_recipe is None and base.transformer_impl == "local"
+    if vpp == 1:
+        return ("1f1b", "zb-h1") if zero_bubble else ("1f1b",)
+    v_shape = zero_bubble and vpp == 2 and split[0] is None and model.untie_embeddings_and_output_weights
+    return ("1f1b", "zbv", "dualpipev") if v_shape else ("1f1b",)
+
+
+def _microbatches_fit(schedule: str, pp: int, vpp: int, m: int) -> bool:
+    """The schedule can run ``m`` microbatches (stages.validate_pipeline's rules)."""
+    if schedule == "zb-h1":
+        return m >= pp
+    if schedule == "dualpipev":
+        return m >= 2 * pp
+    return not (vpp > 1 and schedule != "zbv" and m % pp)
+
+
 def _groups(
     model: ModelConfig, global_batch: int, base: Layout, pp: int, dp: int, cp: int, ep: int, split, recomputes
 ) -> Iterator[list[Layout]]:
-    """The groups of one process grid and comm type: virtual stages, recompute, ZeRO, micro batch."""
+    """The groups of one process grid and comm type: virtual stages, schedule, recompute, ZeRO, micro batch."""
     zeros = ((0, 1, 2, 3) if pp == 1 and ep == 1 else (0, 1)) if dp * cp > 1 else (0,)
     vpps = [1] if split[0] is not None or pp == 1 else [v for v in divisors(model.num_layers // pp) if v <= MAX_VPP]
     for vpp in vpps:
-        for recompute, modules in recomputes:
-            for zero in zeros:
-                group = []
-                for mb in divisors(global_batch // dp):
-                    m = global_batch // (mb * dp)
-                    if vpp > 1 and m % pp:
-                        continue
-                    group.append(
-                        dataclasses.replace(
-                            base,
-                            vpp=vpp,
-                            micro_batch=mb,
-                            num_microbatches=m,
-                            recompute=recompute,
-                            recompute_modules=modules,
-                            zero_stage=zero,
+        for schedule in schedules(model, base, pp, vpp, split):
+            for recompute, modules in recomputes:
+                for zero in zeros:
+                    group = []
+                    for mb in divisors(global_batch // dp):
+                        m = global_batch // (mb * dp)
+                        if not _microbatches_fit(schedule, pp, vpp, m):
+                            continue
+                        group.append(
+                            dataclasses.replace(
+                                base,
+                                vpp=vpp,
+                                schedule=schedule,
+                                micro_batch=mb,
+                                num_microbatches=m,
+                                recompute=recompute,
+                                recompute_modules=modules,
+                                zero_stage=zero,
+                            )
                         )
-                    )
-                if group:
-                    yield group
+                    if group:
+                        yield group
 
 
 def _grids(model: ModelConfig, cluster: Cluster, global_batch: int) -> Iterator[tuple]:
@@ -225,7 +253,9 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int, p
 
 
 def worst_memory(model: ModelConfig, layout: Layout) -> float:
-    # The first stage (most microbatches in flight, embedding) or the last (logits) is the worst.
+    # The first stage (most microbatches in flight, embedding) or the last (logits) is the worst; with the
+    # zero-bubble schedules the last (zb-h1: the most weight-gradient stores; zbv / dualpipev: the V's tip) or
+    # the first (embedding and head of the V).
     return estimate(model, layout, stages=(0, layout.pp - 1)).total_bytes
 
 
@@ -269,9 +299,11 @@ def _extra_work(lay: Layout) -> tuple[int, int]:
 
 def _preference(p: Plan) -> tuple:
     """Among ties: no extra work first, then less CP (no calibration run used CP), fewer pipeline stages, less
-    TP, fewer virtual stages, then less memory (headroom against the estimate's error), then the faster."""
+    TP, fewer virtual stages, the plainer schedule (1F1B before the zero-bubble ones, whose W's hold memory), then
+    less memory (headroom against the estimate's error), then the faster."""
     lay = p.layout
-    return (_extra_work(lay), lay.cp, lay.pp, lay.tp, lay.vpp, round(p.memory_bytes / GiB, 1), p.step_time_s)
+    simpler = SCHEDULE_PREFERENCE.index(lay.schedule)
+    return (_extra_work(lay), lay.cp, lay.pp, lay.tp, lay.vpp, simpler, round(p.memory_bytes / GiB, 1), p.step_time_s)
 
 
 def _why(p: Plan, best: Plan) -> str:
@@ -291,6 +323,9 @@ def _why(p: Plan, best: Plan) -> str:
     ):
         if mine != theirs:
             return f"tie with the fastest; {'fewer' if mine < theirs else 'more'} {name} ({mine} vs {theirs})"
+    if a.schedule != b.schedule:
+        plainer = SCHEDULE_PREFERENCE.index(a.schedule) < SCHEDULE_PREFERENCE.index(b.schedule)
+        return f"tie with the fastest; {'plainer' if plainer else 'less plain'} schedule ({a.schedule} vs {b.schedule})"
     verb = "less" if p.memory_bytes <= best.memory_bytes else "more"
     return f"tie with the fastest; {verb} memory ({p.memory_bytes / GiB:.1f} vs {best.memory_bytes / GiB:.1f} GiB)"
 
@@ -429,7 +464,7 @@ def layout_text(lay: Layout) -> str:
     return (
         f"TP {lay.tp}, PP {lay.pp}{split}, VPP {lay.vpp}, CP {lay.cp}{f' ({lay.cp_comm_type})' if lay.cp > 1 else ''}, DP {lay.dp}{f' (EP {lay.ep})' if lay.ep > 1 else ''}, "
         f"micro batch {lay.micro_batch}, "
-        f"{zero}, recompute {recompute_text(lay)}"
+        f"{zero}, recompute {recompute_text(lay)}" + (f", schedule {lay.schedule}" if lay.schedule != "1f1b" else "")
     )
 
 

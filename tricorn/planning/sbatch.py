@@ -315,6 +315,8 @@ def layout_args(layout, global_batch: int) -> list[str]:
     args = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp)]
     if layout.vpp > 1:
         args += ["--num-virtual-stages-per-pipeline-rank", str(layout.vpp)]
+    if layout.pp > 1 and layout.schedule != "1f1b":  # 1f1b: the default (interleaved with virtual stages)
+        args += ["--pipeline-schedule", layout.schedule]
     if layout.first_stage_layers is not None:
         args += ["--decoder-first-pipeline-num-layers", str(layout.first_stage_layers)]
     if layout.last_stage_layers is not None:

@@ -25,8 +25,10 @@ It walks the rank's action list step by step (``schedules.group_steps``):
   chunk 0's output becomes chunk 1's input (a leaf of the same storage) and chunk 1's input
   gradient becomes chunk 0's output gradient, with no message.
 * Each run of send/recv actions is one ``batch_isend_irecv`` (``p2p.PipelineP2P``) whose
-  receives are waited on before the next compute; sends complete lazily, all of them waited
-  for before the call returns.
+  receives are waited on before the next compute, and which also posts the receives of the
+  next run, one compute early (they arrive while this rank computes); sends complete lazily,
+  all of them waited for before the call returns. A sent stage output keeps its autograd node
+  for the backward but loses its data once its send is done (``p2p.free_data``).
 
 Gradients accumulate in the parameters over all microbatches; the DP reduction, the tied
 embedding reduction and grad scaling run once afterwards in ``optimizer.finish_grad_sync``
@@ -158,7 +160,9 @@ class PipelineExecutor:
         self.order, self.peak_in_flight, self.weights_deferred = [], 0, 0
         new_global_batch(chunks)  # each chunk's first forward (microbatch 0) casts the FP8 weights again
         with torch.set_grad_enabled(not ctx.forward_only), run.store.collecting() if split else contextlib.nullcontext():
-            for step in group_steps(actions):
+            steps = group_steps(actions)
+            ahead = _next_communication(steps)
+            for i, step in enumerate(steps):
                 head = step[0]
                 if head.kind is FORWARD:
                     self._forward(chunks[head.chunk], head, run)
@@ -167,7 +171,7 @@ class PipelineExecutor:
                 elif head.kind is WEIGHT:
                     self._weight(head, run, is_last=last_backward[head.chunk] == head)
                 else:
-                    self._communicate(step, run)
+                    self._communicate(step, run, ahead[i])
                 self.order.extend(step)
             self.p2p.complete_sends()
         return run.total
@@ -219,22 +223,28 @@ class PipelineExecutor:
     def _weight(self, a: Action, run: _Run, is_last: bool) -> None:
         key = (a.microbatch, a.chunk)
         assert run.store is not None
-        with run.ctx.optimizer.microbatch(is_last=is_last, chunk=a.chunk):
+        # The last W of a chunk delivers only its weights' gradients (every other one is in): the DP buckets
+        # are complete as those arrive, and start their reduction from the W's hooks (--overlap-grad-reduce).
+        expected = run.store.weights(key) if is_last else None
+        with run.ctx.optimizer.microbatch(is_last=is_last, chunk=a.chunk, expected=expected):
             self.weights_deferred += run.store.run(key)
         run.held.discard(key)
 
     # ------------------------------------------------------------ communication
 
-    def _communicate(self, step: tuple[Action, ...], run: _Run) -> None:
-        outgoing = {}
+    def _communicate(self, step: tuple[Action, ...], run: _Run, ahead: tuple[Action, ...]) -> None:
+        outgoing, release = {}, {}
         for a in step:
             key = (a.microbatch, a.chunk)
             if a.kind.is_send:
-                # The activation is also kept in `outputs` for the backward; the gradient is not needed after sending.
+                # The gradient is not needed after sending. The activation stays in `outputs` as the root of its
+                # backward, but its data goes once the send is done (p2p.free_data): nothing reads it again.
                 store = run.input_grads if a.kind is SEND_BACKWARD else run.to_send
                 outgoing[a] = store.pop(key)
+                if a.kind is not SEND_BACKWARD and key in run.outputs:
+                    release[a] = run.outputs[key]
         with run.ctx.timers(PIPELINE_P2P_WAIT):
-            received = self.p2p.exchange(step, outgoing)
+            received = self.p2p.exchange(step, outgoing, ahead, release)
             for a in received:  # the sends these receives prove done: their buffers go now
                 self.p2p.complete_sends(self._done_by.get(a, []))
         for a, tensor in received.items():
@@ -243,6 +253,16 @@ class PipelineExecutor:
                 run.inputs[key] = tensor.requires_grad_(not run.ctx.forward_only)
             elif a.kind is RECV_BACKWARD:
                 run.output_grads[key] = tensor
+
+
+def _next_communication(steps: list[tuple[Action, ...]]) -> dict[int, tuple[Action, ...]]:
+    """For each communication step (by index), the next one: its receives are posted one compute early."""
+    out: dict[int, tuple[Action, ...]] = {}
+    later: tuple[Action, ...] = ()
+    for i in reversed(range(len(steps))):
+        if not steps[i][0].kind.is_compute:
+            out[i], later = later, steps[i]
+    return out
 
 
 def _gradient_group(state) -> dist.ProcessGroup:
