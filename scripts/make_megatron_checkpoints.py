@@ -79,11 +79,10 @@ def fixed_tokens(vocab: int = 60) -> np.ndarray:
 
 def cpu_patches() -> contextlib.ExitStack:
     """The five monkeypatches megatron-core 0.19.2 needs to build, train and save on a CPU with gloo."""
-    import torch
-    from torch.overrides import TorchFunctionMode
-
     import megatron.core.tensor_parallel.random as mrandom
     import megatron.training.arguments as margs
+    import torch
+    from torch.overrides import TorchFunctionMode
 
     torch.cuda.current_device = lambda: "cpu"  # 1. RoPE inv_freq, DDP buffers, the dist-checkpointing saver
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # 2. CUDA RNG -> the CPU generator
@@ -149,7 +148,6 @@ def causal_mask():
 def build(argv: list[str]):
     """Megatron's args, GPTModel (DDP-wrapped), optimizer and scheduler, as pretrain_gpt.py builds them."""
     import torch
-
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt import GPTModel
@@ -185,9 +183,8 @@ def build(argv: list[str]):
     return args, model, optimizer, scheduler
 
 
-def logits(model, tokens) -> "np.ndarray":
+def logits(model, tokens) -> np.ndarray:
     import torch
-
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     inner = model[0].module
@@ -237,7 +234,6 @@ def _worker(rank: int, world: int, name: str, argv: list[str], out: str, port: i
 
 def _write_case(name: str, argv: list[str], out: Path) -> None:
     import torch
-
     from megatron.training.checkpointing import save_checkpoint
 
     args, model, optimizer, scheduler = build(argv + ["--save", str(out)])
@@ -252,12 +248,13 @@ def _write_case(name: str, argv: list[str], out: Path) -> None:
 
 def _check_export(name: str, argv: list[str], ref_dir: Path, exported: Path) -> None:
     import torch
-
     from megatron.training.checkpointing import load_checkpoint
 
-    fmt = "torch" if (exported / "latest_checkpointed_iteration.txt").read_text().strip() and any(
-        exported.glob("iter_*/mp_rank_*")
-    ) else "torch_dist"
+    fmt = (
+        "torch"
+        if (exported / "latest_checkpointed_iteration.txt").read_text().strip() and any(exported.glob("iter_*/mp_rank_*"))
+        else "torch_dist"
+    )
     flags = [a for a in argv if a not in ("--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable")]
     i = flags.index("--ckpt-format")
     flags[i + 1] = fmt
