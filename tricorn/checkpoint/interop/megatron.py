@@ -30,6 +30,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,7 +139,9 @@ class MegatronCheckpoint:
         shape = tuple(entry.size)
         flat = torch.empty(int(torch.Size(shape[1:]).numel()), dtype=entry.properties.dtype)
         piece = Piece(0, flat.numel(), (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))
-        io.dcp_load({key: owned_tensor(flat, shape, [piece])}, self.path, no_dist=True)
+        with warnings.catch_warnings():  # ShardedTensor's deprecation: DCP reads one layer of it all the same
+            warnings.simplefilter("ignore", FutureWarning)
+            io.dcp_load({key: owned_tensor(flat, shape, [piece])}, self.path, no_dist=True)
         return flat.view(shape[1:])
 
     # ------------------------------------------------------------ optimizer state
@@ -367,8 +370,28 @@ def _check_legacy(ck: MegatronCheckpoint, entries: list[Entry], m: ModelConfig) 
 # ---------------------------------------------------------------- export
 
 
-def megatron_args(m: ModelConfig, cfg_training: dict, fmt: str, iteration: int) -> argparse.Namespace:
-    """The saved args Megatron's loader reads to check and rebuild the GPTModel (TP1 PP1)."""
+# tricorn config fields that are Megatron args of the same name and meaning, carried into an export's args.
+CARRIED = {
+    "training": (
+        "micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters",
+        "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed", "bf16", "fp16",
+    ),
+    "data": ("tokenizer_type", "tokenizer_model"),
+}  # fmt: skip
+
+
+def _saved_config(ckpt: Path) -> dict:
+    import yaml
+
+    try:
+        return yaml.safe_load((ckpt / io.CONFIG_FILE).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise io.CheckpointError(f"checkpoint damaged: {ckpt / io.CONFIG_FILE} cannot be read ({e})") from None
+
+
+def megatron_args(m: ModelConfig, saved: dict, fmt: str, iteration: int, tp: int) -> argparse.Namespace:
+    """The saved args Megatron's loader reads to check and rebuild the GPTModel (TP `tp`, PP 1)."""
+    carried = {k: saved.get(section, {}).get(k) for section, names in CARRIED.items() for k in names}
     return argparse.Namespace(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -380,28 +403,35 @@ def megatron_args(m: ModelConfig, cfg_training: dict, fmt: str, iteration: int) 
         seq_length=m.seq_length,
         max_position_embeddings=m.max_positions,
         position_embedding_type=m.position_embedding_type,
+        add_position_embedding=True,  # Megatron's default; its GPTModel reads position_embedding_type
         rotary_base=int(m.rotary_base) if float(m.rotary_base).is_integer() else m.rotary_base,
         use_rope_scaling=m.use_rope_scaling,
+        rope_scaling_factor=m.rope_scaling_factor,
         normalization=m.normalization,
         norm_epsilon=m.norm_epsilon,
         swiglu=m.swiglu,
         add_bias_linear=not m.disable_bias_linear,
+        add_qkv_bias=not m.disable_bias_linear,
         untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
         padded_vocab_size=m.vocab_size,
-        make_vocab_size_divisible_by=1,
-        tensor_model_parallel_size=1,
+        tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1,
         ckpt_format=fmt,
+        use_dist_ckpt=fmt == "torch_dist",
         iteration=iteration,
         consumed_train_samples=0,
         consumed_valid_samples=0,
-        **cfg_training,
+        **{k: v for k, v in carried.items() if v is not None},
     )
 
 
-def export_megatron(load: Path, out: Path, fmt: str = "torch_dist", ckpt_step: Optional[int] = None, console=print) -> Path:
-    """Write tricorn checkpoint `load` (any layout) as a Megatron checkpoint OUT (model weights, TP1 PP1)."""
-    import torch.distributed.checkpoint as dcp
+def export_megatron(
+    load: Path, out: Path, fmt: str = "torch_dist", ckpt_step: Optional[int] = None, tp: int = 1, console=print
+) -> Path:
+    """Write tricorn checkpoint `load` (any layout) as a Megatron checkpoint OUT (model weights; torch: TP `tp`)."""
 
     load, out = Path(load), Path(out)
     ckpt = find_checkpoint_dir(load, ckpt_step)
@@ -411,6 +441,11 @@ def export_megatron(load: Path, out: Path, fmt: str = "torch_dist", ckpt_step: O
         raise ConvertError(f"{ckpt} is a mixture-of-experts model; export-megatron writes dense GPT models only")
     md = io.read_dcp_metadata(ckpt)
     io.check_files(ckpt, md)
+    if fmt == "torch_dist" and tp != 1:
+        raise ConvertError("--tensor-model-parallel-size is for --format torch: Megatron reshards torch_dist itself")
+    problems = _tp_problems(m, tp)
+    if problems:
+        raise ConvertError(f"--tensor-model-parallel-size {tp} does not divide {problems}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConvertError(f"output {out} exists and is not empty; remove it or pick a new directory")
     entries = tensor_map(m)
@@ -423,47 +458,30 @@ def export_megatron(load: Path, out: Path, fmt: str = "torch_dist", ckpt_step: O
             )
     start = time.perf_counter()
 
-    def tricorn_tensor(e: Entry) -> torch.Tensor:
+    def megatron_tensor(e: Entry) -> torch.Tensor:
         entry = keys[f"model.{e.name}"]  # the parameters in their own dtype, as Megatron saves its model
         return to_megatron(e.kind, read_one(ckpt, f"model.{e.name}", tuple(entry.size), entry.properties.dtype))
 
     iteration = int(meta["iteration"])
-    args = megatron_args(m, {}, fmt, iteration)
+    args = megatron_args(m, _saved_config(ckpt), fmt, iteration, tp)
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "num_floating_point_operations_so_far": 0}
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     it_dir = tmp / io.iter_name(iteration)
     it_dir.mkdir(parents=True)
-    nbytes = 0
+    dtype = keys[f"model.{entries[0].name}"].properties.dtype
+    nbytes = sum(int(torch.Size(tricorn_shape(e, m)).numel()) * dtype.itemsize for e in entries)
     if fmt == "torch":
-        state: dict[str, Any] = {}
-        for e in entries:
-            t = tricorn_tensor(e)
-            nbytes += t.numel() * t.element_size()
-            state[e.legacy] = split_tp(e, t, 1)[0]
-        rank_dir = it_dir / "mp_rank_00"
-        rank_dir.mkdir()
-        torch.save({**common, "model": state}, rank_dir / "model_optim_rng.pt")
+        per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+        for e in entries:  # the whole model is in memory once: the legacy format is one pickle per rank
+            for rank, piece in enumerate(split_tp(e, megatron_tensor(e), tp)):
+                per_rank[rank][e.legacy] = piece
+        for rank, state in enumerate(per_rank):
+            rank_dir = it_dir / f"mp_rank_{rank:02d}"
+            rank_dir.mkdir()
+            torch.save({**common, "model": state}, rank_dir / "model_optim_rng.pt")
     else:
-        stacked: dict[str, list[Optional[torch.Tensor]]] = {}
-        state = {}
-        for e in entries:
-            t = tricorn_tensor(e)
-            nbytes += t.numel() * t.element_size()
-            if e.layer is None:
-                state[e.dist] = t
-            else:
-                stacked.setdefault(e.dist, [None] * m.num_layers)[e.layer] = t
-        state.update({k: torch.stack(v) for k, v in stacked.items()})  # type: ignore[arg-type]
-        blob = pyio.BytesIO()
-        torch.save([common], blob)
-        blob.seek(0)
-        state[COMMON_KEY] = blob
-        with local_group(), quiet_no_dist():
-            dcp.save(state, storage_writer=io.Writer(it_dir, iteration, 0), no_dist=True)
-        io.atomic_write_text(
-            it_dir / "metadata.json", json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
-        )
+        _write_dist(it_dir, iteration, entries, m, megatron_tensor, common, dtype)
     io.atomic_write_text(tmp / io.LATEST_FILE, f"{iteration}")
     io.fsync_dir(it_dir)
     io.fsync_dir(tmp)
@@ -475,6 +493,45 @@ def export_megatron(load: Path, out: Path, fmt: str = "torch_dist", ckpt_step: O
         f"into {out} in {time.perf_counter() - start:.1f}s; load it in Megatron with --no-load-optim --no-load-rng"
     )
     return out
+
+
+def _tp_problems(m: ModelConfig, tp: int) -> str:
+    sizes = {"the query groups": m.kv_heads, "the MLP width": m.ffn_size, "the vocabulary": m.vocab_size}
+    return ", ".join(f"{what} ({n})" for what, n in sizes.items() if n % tp)
+
+
+def _write_dist(it_dir: Path, iteration: int, entries: list[Entry], m: ModelConfig, read, common: dict, dtype) -> None:
+    """torch_dist: layers stacked per key, built one key at a time as DCP writes it, plus the common state."""
+    import torch.distributed.checkpoint as dcp
+
+    from tricorn.checkpoint.interop.convert import LazySavePlanner
+
+    by_key: dict[str, list[Entry]] = {}
+    for e in entries:
+        by_key.setdefault(e.dist, []).append(e)
+    objects = {COMMON_KEY: [common]}  # megatron-core 0.19 wraps each saved object in a one-element list
+    # Each linear layer's `_extra_state` (None without Transformer Engine's FP8 state): Megatron's loader asks for them.
+    for key in (k for k in by_key if by_key[k][0].layer is not None and k.endswith(".weight") and "layer_norm" not in k):
+        for i in range(m.num_layers):
+            objects[f"{key.removesuffix('.weight')}._extra_state/shard_{i}_{m.num_layers}"] = [None]
+    blobs = {}
+    for key, obj in objects.items():
+        blobs[key] = pyio.BytesIO()
+        torch.save(obj, blobs[key])
+
+    def build(key: str):
+        if key in blobs:
+            return pyio.BytesIO(blobs[key].getvalue())
+        group = by_key[key]
+        return read(group[0]) if group[0].layer is None else torch.stack([read(e) for e in group])
+
+    state: dict[str, Any] = {key: pyio.BytesIO() for key in blobs}
+    for key, group in by_key.items():
+        shape = tricorn_shape(group[0], m)
+        state[key] = torch.empty(shape if group[0].layer is None else (len(group), *shape), dtype=dtype, device="meta")
+    with quiet_no_dist():
+        dcp.save(state, storage_writer=io.Writer(it_dir, iteration, 0), planner=LazySavePlanner(build), no_dist=True)
+    io.atomic_write_text(it_dir / "metadata.json", json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
 
 
 # ---------------------------------------------------------------- command line
@@ -510,5 +567,8 @@ def export_main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("out", type=Path, help="New Megatron checkpoint directory.")
     parser.add_argument("--format", choices=["torch_dist", "torch"], default="torch_dist", help="Megatron --ckpt-format.")
     parser.add_argument("--ckpt-step", type=int, help="Export iteration N instead of the latest.")
+    parser.add_argument(
+        "--tensor-model-parallel-size", type=int, default=1, help="--format torch: TP ranks to write (Megatron loads at that TP)."
+    )
     args = parser.parse_args(argv)
-    return _run(export_megatron, args.ckpt, args.out, args.format, args.ckpt_step)
+    return _run(export_megatron, args.ckpt, args.out, args.format, args.ckpt_step, args.tensor_model_parallel_size)

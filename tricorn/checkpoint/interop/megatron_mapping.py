@@ -49,8 +49,6 @@ UNSUPPORTED: dict[str, Any] = {
     "lr_warmup_init": 0.0,
     "decoupled_lr": None,
     "weight_decay_incr_style": "constant",
-    "start_weight_decay": None,
-    "end_weight_decay": None,
     "override_opt_param_scheduler": False,
     "use_checkpoint_opt_param_scheduler": False,
     "train_samples": None,
@@ -124,14 +122,17 @@ def unsupported_args(args: dict) -> list[str]:
         ok = value in fine if isinstance(fine, tuple) else (value == fine or (fine is None and value in (None, False)))
         if not ok:
             out.append(f"--{name.replace('_', '-')}={value}")
+    for name in ("start_weight_decay", "end_weight_decay"):  # Megatron fills both with --weight-decay by default
+        if args.get(name) not in (None, args.get("weight_decay")):
+            out.append(f"--{name.replace('_', '-')}={args[name]}")
     return out
 
 
 def training_fields(args: dict, scheduler: dict) -> dict[str, Any]:
     """TrainingConfig fields of the run, from its args and lr scheduler state (samples -> iterations)."""
-    gbs = int(args["global_batch_size"])
+    gbs = int(args.get("global_batch_size") or 1)
     out: dict[str, Any] = {
-        "micro_batch_size": int(args["micro_batch_size"]),
+        "micro_batch_size": int(args.get("micro_batch_size") or 1),
         "global_batch_size": gbs,
         "lr": float(scheduler.get("max_lr", args.get("lr") or 0.0)),
         "min_lr": float(scheduler.get("min_lr", args.get("min_lr") or 0.0)),
