@@ -139,7 +139,7 @@ class MegatronCheckpoint:
         shape = tuple(entry.size)
         flat = torch.empty(int(torch.Size(shape[1:]).numel()), dtype=entry.properties.dtype)
         piece = Piece(0, flat.numel(), (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))
-        with warnings.catch_warnings():  # ShardedTensor's deprecation: DCP reads one layer of it all the same
+        with local_group(), warnings.catch_warnings():  # ShardedTensor's deprecation: DCP reads one layer all the same
             warnings.simplefilter("ignore", FutureWarning)
             io.dcp_load({key: owned_tensor(flat, shape, [piece])}, self.path, no_dist=True)
         return flat.view(shape[1:])
@@ -157,13 +157,20 @@ class MegatronCheckpoint:
             return "per_param"
         return None
 
+    def _optimizer_common(self) -> dict:
+        """The optimizer's non-tensor state (the distributed optimizer nests torch's under 'optimizer')."""
+        opt = self.common.get("optimizer") or {}
+        return opt["optimizer"] if "param_groups" not in opt and isinstance(opt.get("optimizer"), dict) else opt
+
     def optimizer_step(self) -> float:
-        state = (self.common.get("optimizer") or {}).get("state", {})
-        step = state.get("common_step", self.iteration)
+        """Adam's step count: Megatron's common step, a param group's step, or the iteration."""
+        opt = self._optimizer_common()
+        groups = opt.get("param_groups") or [{}]
+        step = (opt.get("state") or {}).get("common_step", groups[0].get("step", self.iteration))
         return float(step.item() if isinstance(step, torch.Tensor) else step)
 
     def lr(self) -> float:
-        groups = (self.common.get("optimizer") or {}).get("param_groups") or [{}]
+        groups = self._optimizer_common().get("param_groups") or [{}]
         return float(groups[0].get("lr", 0.0))
 
 
@@ -335,10 +342,7 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
     unsupported = unsupported_args(ck.args)
     note = ", ".join(unsupported) if unsupported else "none"
     header = f"# Megatron args tricorn does not reproduce: {note}\n"
-    run = {k: v for k, v in cfg.to_dict().items() if k in ("model", "training")}
-    import yaml
-
-    io.atomic_write_text(out / RUN_CONFIG, header + yaml.safe_dump(run, sort_keys=False))
+    io.atomic_write_text(out / RUN_CONFIG, header + _run_yaml(cfg))
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     what = "model and optimizer state" if with_optim else "model only"
     console(
@@ -349,6 +353,23 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
         console(f"Megatron args tricorn does not reproduce (listed in {out / RUN_CONFIG}): {note}")
     console(f"train from it with: --config {out / RUN_CONFIG} --load {out} ({' '.join(model_flags(m))})")
     return final
+
+
+def _run_yaml(cfg: Config) -> str:
+    """The model and training sections of `cfg`, fields that differ from tricorn's defaults only (a --config file)."""
+    import dataclasses
+
+    import yaml
+
+    run = {}
+    for section, default in (("model", ModelConfig()), ("training", TrainingConfig())):
+        ours = getattr(cfg, section)
+        run[section] = {
+            f.name: getattr(ours, f.name)
+            for f in dataclasses.fields(ours)
+            if getattr(ours, f.name) != getattr(default, f.name) or f.name in ("num_layers", "hidden_size")
+        }
+    return yaml.safe_dump(run, sort_keys=False)
 
 
 def _check_legacy(ck: MegatronCheckpoint, entries: list[Entry], m: ModelConfig) -> None:

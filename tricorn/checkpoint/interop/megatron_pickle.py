@@ -49,6 +49,9 @@ MEGATRON_ENUMS: dict[str, dict[int, str]] = {
 class EnumName(str):
     """A pickled enum member as the string "Class.member" (or "Class(value)" for a value not in the table)."""
 
+    def __reduce__(self):  # saved again, it is a plain string
+        return (str, (str(self),))
+
 
 def _enum_standin(path: str):
     cls = path.rsplit(".", 1)[1]
@@ -70,7 +73,7 @@ def _enum_standin(path: str):
 
 
 def _allowed() -> list:
-    allowed: list = [argparse.Namespace]
+    allowed: list = [argparse.Namespace, (str, "builtins.str"), (str, "__builtin__.unicode")]  # str: EnumName saved again
     allowed += [(_enum_standin(path), path) for path in MEGATRON_ENUMS]
     try:
         import numpy as np
