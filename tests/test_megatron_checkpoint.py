@@ -72,16 +72,20 @@ def test_import_gives_megatron_logits(tmp_path, case):
 
 
 def test_import_at_tp2_gives_megatron_logits(tmp_path):
-    """--load at tricorn TP2 of a checkpoint Megatron saved at TP2 (torch_dist) and one saved at TP1 (legacy)."""
-    for case in ("llama_tp2_dist_fully", "gpt_tp1_torch"):
+    """Every fixture through --load at tricorn TP2 (one launch): saved at TP1 or TP2, torch_dist or legacy."""
+    cases = []
+    for case in CASES:
         out = imported(tmp_path, case)
         flags = model_flags(read_model_config(sorted(out.glob("iter_*"))[0]))
         flags += "--seq-length 16 --micro-batch-size 2 --global-batch-size 2 --tensor-model-parallel-size 2".split()
-        result = tmp_path / f"{case}.json"
-        args = [str(out), str(FIXTURES / case / "reference.npz"), str(result), *flags]
-        run_script(Path(__file__).parent / "workers" / "megatron_forward.py", 2, args)
-        got = json.loads(result.read_text())
-        assert got["tp"] == 2 and got["err"] <= LOGITS_RTOL * got["scale"], (case, got)
+        cases.append({"name": case, "ckpt": str(out), "reference": str(FIXTURES / case / "reference.npz"), "flags": flags})
+    spec, result = tmp_path / "cases.json", tmp_path / "result.json"
+    spec.write_text(json.dumps(cases))
+    run_script(Path(__file__).parent / "workers" / "megatron_forward.py", 2, [str(spec), str(result)])
+    got = json.loads(result.read_text())
+    assert sorted(got) == CASES
+    for case, r in got.items():
+        assert r["tp"] == 2 and r["err"] <= LOGITS_RTOL * r["scale"], (case, r)
 
 
 def test_progress_optimizer_state_and_config(tmp_path):
