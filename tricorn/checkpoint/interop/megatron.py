@@ -522,10 +522,17 @@ def _tp_problems(m: ModelConfig, tp: int) -> str:
 
 
 def _write_dist(it_dir: Path, iteration: int, entries: list[Entry], m: ModelConfig, read, common: dict, dtype) -> None:
-    """torch_dist: layers stacked per key, built one key at a time as DCP writes it, plus the common state."""
+    """torch_dist: layers stacked per key in one chunk per layer (as Megatron writes them), each layer built when
+    DCP writes it, so one layer is in memory; plus the common state and the `_extra_state` objects."""
     import torch.distributed.checkpoint as dcp
 
     from tricorn.checkpoint.interop.convert import LazySavePlanner
+    from tricorn.checkpoint.pieces import Piece, owned_tensor
+
+    class LayerPlanner(LazySavePlanner):
+        def resolve_data(self, write_item):
+            offset = write_item.index.offset
+            return self.build(write_item.index.fqn, offset[0] if offset is not None else None)
 
     by_key: dict[str, list[Entry]] = {}
     for e in entries:
@@ -540,18 +547,24 @@ def _write_dist(it_dir: Path, iteration: int, entries: list[Entry], m: ModelConf
         blobs[key] = pyio.BytesIO()
         torch.save(obj, blobs[key])
 
-    def build(key: str):
+    def build(key: str, layer: Optional[int]):
         if key in blobs:
             return pyio.BytesIO(blobs[key].getvalue())
         group = by_key[key]
-        return read(group[0]) if group[0].layer is None else torch.stack([read(e) for e in group])
+        return read(group[0]) if group[0].layer is None else read(group[layer]).unsqueeze(0)
 
     state: dict[str, Any] = {key: pyio.BytesIO() for key in blobs}
-    for key, group in by_key.items():
-        shape = tricorn_shape(group[0], m)
-        state[key] = torch.empty(shape if group[0].layer is None else (len(group), *shape), dtype=dtype, device="meta")
-    with quiet_no_dist():
-        dcp.save(state, storage_writer=io.Writer(it_dir, iteration, 0), planner=LazySavePlanner(build), no_dist=True)
+    with local_group(), quiet_no_dist(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor's deprecation
+        for key, group in by_key.items():
+            shape = tricorn_shape(group[0], m)
+            if group[0].layer is None:
+                state[key] = torch.empty(shape, dtype=dtype, device="meta")
+                continue
+            n = int(torch.Size(shape).numel())
+            pieces = [Piece(i * n, (i + 1) * n, (i,) + (0,) * len(shape), (1, *shape)) for i in range(len(group))]
+            state[key] = owned_tensor(torch.empty(len(group) * n, dtype=dtype, device="meta"), (len(group), *shape), pieces)
+        dcp.save(state, storage_writer=io.Writer(it_dir, iteration, 0), planner=LayerPlanner(build), no_dist=True)
     io.atomic_write_text(it_dir / "metadata.json", json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
 
 
