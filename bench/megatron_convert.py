@@ -30,7 +30,8 @@ import torch.distributed.checkpoint as dcp
 
 from tricorn.checkpoint import io
 from tricorn.checkpoint.interop.convert import import_meta, quiet_no_dist, write_checkpoint
-from tricorn.checkpoint.interop.megatron import export_megatron, import_megatron
+from tricorn.checkpoint.interop.megatron import import_megatron
+from tricorn.checkpoint.interop.megatron_export import export_megatron
 from tricorn.checkpoint.interop.megatron_mapping import tensor_map, tricorn_shape
 from tricorn.config import Config, ModelConfig, dump_yaml
 

@@ -19,15 +19,17 @@ from harness import FP32_RTOL, run_layout, run_script
 from test_hf import tricorn_model
 
 from tricorn.checkpoint.interop.hf import model_flags, read_model_config
-from tricorn.checkpoint.interop.megatron import RUN_CONFIG, export_megatron, import_megatron, read_megatron
+from tricorn.checkpoint.interop.megatron import RUN_CONFIG, import_megatron, read_megatron
+from tricorn.checkpoint.interop.megatron_export import export_megatron
 from tricorn.checkpoint.interop.megatron_mapping import tensor_map, to_tricorn
 from tricorn.checkpoint.io import iter_name, read_meta, read_tensors
 from tricorn.cli import main as cli
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_ckpt"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
-# Optimizer state stored per parameter (the FP32 optimizer; the distributed optimizer's fully_reshardable).
-WITH_OPTIM = ("llama_tp1_dist", "llama_tp2_dist_fully")
+# Optimizer state tricorn maps to parameters: torch_dist's FP32 optimizer and fully_reshardable distributed
+# optimizer (stored per parameter), the legacy FP32 optimizer (indexed in Megatron's parameter order).
+WITH_OPTIM = ("llama_tp1_dist", "llama_tp2_dist_fully", "gpt_tp1_torch")
 # The issue's bound for fp32 logits, relative to the largest logit: megatron and tricorn run the same math
 # through different kernels (baddbmm softmax vs SDPA, its fused vs our layouts of the same GEMMs).
 LOGITS_RTOL = 1e-5
@@ -116,6 +118,20 @@ def test_progress_optimizer_state_and_config(tmp_path):
     assert run["model"]["swiglu"] and run["model"]["num_query_groups"] == 2 and run["model"]["vocab_size"] == 64
 
 
+def test_legacy_fp32_optimizer_state_follows_megatrons_parameter_order(tmp_path):
+    """The legacy FP32 optimizer's moments land on the parameters of their shapes, groups in Megatron's order."""
+    ckpt = imported(tmp_path, "gpt_tp1_torch") / iter_name(1)
+    meta = read_meta(ckpt)
+    assert meta["iteration"] == 1 and meta["optimizer_step"] == 1.0 and meta["consumed_train_samples"] == 2
+    ours = read_tensors(ckpt)
+    state = read_megatron(FIXTURES / "gpt_tp1_torch").ranks[(0, 0)]["optimizer"]["state"]
+    # Megatron's first group (weight decay) starts with the word embeddings, the second (no decay) with
+    # layer 0's input norm weight: the first parameters of each kind in registration order.
+    assert torch.equal(ours["optim.tok_embeddings.weight.exp_avg"], state[0]["exp_avg"])
+    assert torch.equal(ours["optim.layers.0.attention_norm.weight.exp_avg_sq"], state[10]["exp_avg_sq"])
+    assert torch.equal(ours["optim.norm.bias.exp_avg"], state[27]["exp_avg"])  # the last parameter
+
+
 def _one_line_error(capsys, argv: list[str]) -> str:
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -178,7 +194,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     assert "refers to print, which tricorn does not load" in err, err  # torch names builtins without their module
     assert "this ran" not in capsys.readouterr().out
     assert "dp_reshardable" in imp(FIXTURES / "gpt_tp2_dist_dpresh")
-    assert "legacy format" in imp(FIXTURES / "gpt_tp1_torch")
+    assert "distrib_optim.pt" in imp(FIXTURES / "llama_tp2_torch_distopt")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     err = _one_line_error(capsys, ["import-megatron", str(FIXTURES / "gpt_tp1_torch"), str(tmp_path / "full"), "--no-load-optim"])

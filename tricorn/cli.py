@@ -29,7 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "Megatron-LM checkpoint (torch_dist or legacy torch) -> tricorn checkpoint",
     ),
     "export-megatron": (
-        "tricorn.checkpoint.interop.megatron:export_main",
+        "tricorn.checkpoint.interop.megatron_export:export_main",
         "tricorn checkpoint (any layout) -> Megatron-LM checkpoint",
     ),
     "tb": ("tricorn.training.tb:main", "start TensorBoard on 127.0.0.1 and print the URL"),

@@ -267,3 +267,31 @@ def split_tp(e: Entry, t: torch.Tensor, tp: int) -> list[torch.Tensor]:
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     multiple = divisible_by * tp
     return int(math.ceil(vocab / multiple) * multiple)
+
+
+def legacy_optimizer_order(rank_state: dict) -> dict[str, int]:
+    """Model key -> index into the legacy FP32 optimizer's state, for one rank's model_optim_rng.pt.
+
+    Megatron builds its param groups from the model's parameters in registration order (the order of the
+    saved model state dict) and puts biases and 1-D parameters in the group without weight decay; torch
+    numbers the state by group, then by position. The derived order is checked against every group's size
+    and every moment's shape; ValueError when it does not fit (other grouping rules, the distributed optimizer)."""
+    opt = rank_state.get("optimizer") or {}
+    if "param_groups" not in opt or "state" not in opt:
+        raise ValueError("not torch's optimizer state dict (the distributed optimizer)")
+    params = {k: v for k, v in rank_state["model"].items() if isinstance(v, torch.Tensor)}
+    order: dict[str, int] = {}
+    for group in opt["param_groups"]:
+        no_wd = float(group.get("wd_mult", 1.0)) == 0.0
+        members = [k for k, v in params.items() if (k.endswith(".bias") or v.dim() == 1) == no_wd and k not in order]
+        if len(members) != len(group["params"]) or float(group.get("lr_mult", 1.0)) != 1.0:
+            raise ValueError("param groups do not follow Megatron's default weight-decay grouping")
+        order.update(zip(members, group["params"]))
+    if sorted(order.values()) != sorted(opt["state"]) or len(order) != len(params):
+        raise ValueError("optimizer state indices do not match the parameters")
+    for key, index in order.items():
+        for field in ("exp_avg", "exp_avg_sq"):
+            moment = opt["state"][index].get(field)
+            if not isinstance(moment, torch.Tensor) or moment.shape != params[key].shape:
+                raise ValueError(f"{key}: the {field} at index {index} has another shape")
+    return order
