@@ -2,7 +2,11 @@
 
 Run in the fixture environment of scripts/make_megatron_fixtures.py (megatron-core 0.19.2 on Python 3.12):
 
+    /tmp/mcore/bin/pip install psutil   # megatron's dist-checkpointing saver needs it
     /tmp/mcore/bin/python scripts/make_megatron_checkpoints.py --output tests/fixtures/megatron_ckpt
+
+The committed fixtures were written with megatron-core 0.19.2 and torch 2.14.1 (the wheel pip resolved for
+megatron-core on Python 3.12), on a CPU.
 
 Each case trains one iteration with megatron's own GPTModel (local layer spec), DDP, optimizer and
 lr scheduler, saves with megatron.training.checkpointing.save_checkpoint, and stores beside the
@@ -243,7 +247,9 @@ def _write_case(name: str, argv: list[str], out: Path) -> None:
     save_checkpoint(1, model, optimizer, scheduler, 0)
     if torch.distributed.get_rank() == 0:
         np.savez(out / "reference.npz", tokens=tokens, logits=ref)
-        (out / "megatron_flags.json").write_text(json.dumps({"version": MEGATRON_CORE_VERSION, "argv": argv}, indent=1))
+        (out / "megatron_flags.json").write_text(
+            json.dumps({"version": MEGATRON_CORE_VERSION, "torch": torch.__version__, "argv": argv}, indent=1)
+        )
 
 
 def _check_export(name: str, argv: list[str], ref_dir: Path, exported: Path) -> None:
