@@ -37,9 +37,14 @@ REFUSED_ARCH: dict[str, tuple[Any, str]] = {
     "squared_relu": (False, "squared ReLU (--squared-relu)"),
     "openai_gelu": (False, "OpenAI's GeLU (--openai-gelu)"),
     "mtp_num_layers": (None, "multi-token prediction (--mtp-num-layers)"),
-    "pipeline_model_parallel_layout": (None, "a custom pipeline layout with extra layers"),
     "heterogeneous_layers_config_path": (None, "heterogeneous layers"),
     "window_size": (None, "sliding-window attention (--window-size)"),
+    "rotary_percent": (1.0, "partial RoPE (--rotary-percent)"),
+    "rotary_seq_len_interpolation_factor": (None, "RoPE position interpolation (--rotary-seq-len-interpolation-factor)"),
+    "apply_residual_connection_post_layernorm": (False, "post-norm residuals (--apply-residual-connection-post-layernorm)"),
+    "qk_l2_norm": (False, "QK L2 norm (--qk-l2-norm)"),
+    "no_rope_freq": (None, "layers without RoPE (--no-rope-freq)"),
+    "use_mup": (False, "muP scaling (--use-mup)"),
 }
 # Megatron args tricorn trains differently, listed in the imported config (value that matches tricorn).
 UNSUPPORTED: dict[str, Any] = {
@@ -53,12 +58,9 @@ UNSUPPORTED: dict[str, Any] = {
     "use_checkpoint_opt_param_scheduler": False,
     "train_samples": None,
     "rampup_batch_size": None,
-    "apply_residual_connection_post_layernorm": False,
     "fp32_residual_connection": False,
     "apply_query_key_layer_scaling": False,
     "attention_softmax_in_fp32": False,
-    "rotary_percent": 1.0,
-    "rotary_seq_len_interpolation_factor": None,
     "fp8": None,
     "calculate_per_token_loss": False,
     "embedding_multiplier_scale": None,
@@ -73,7 +75,7 @@ def _arg(args: dict, name: str, default: Any = None) -> Any:
 
 def model_config_from_args(args: dict, where: str) -> ModelConfig:
     """tricorn's model for Megatron's saved args; ConvertError naming what tricorn cannot represent."""
-    refused = [what for name, (ok, what) in REFUSED_ARCH.items() if _arg(args, name, ok) not in (ok, None, False, 0)]
+    refused = [what for name, (ok, what) in REFUSED_ARCH.items() if _arg(args, name, ok) not in (ok, None, False)]
     if _arg(args, "position_embedding_type", "learned_absolute") not in ("rope", "learned_absolute"):
         refused.append(f"--position-embedding-type {args['position_embedding_type']}")
     if _arg(args, "normalization", "LayerNorm") not in ("RMSNorm", "LayerNorm"):
