@@ -158,6 +158,19 @@ class Evil:
         return (print, ("this ran",))
 
 
+def test_unsupported_training_args_are_listed_not_refused(tmp_path):
+    def sgd(state):
+        state["args"].optimizer = "sgd"
+        state["args"].decoupled_lr = 1e-2
+
+    out = tmp_path / "out"
+    lines: list[str] = []
+    import_megatron(_legacy_variant(tmp_path, "sgd", sgd), out, load_optim=False, console=lines.append)
+    first = (out / RUN_CONFIG).read_text().splitlines()[0]
+    assert first == "# Megatron args tricorn does not reproduce: --optimizer=sgd, --decoupled-lr=0.01", first
+    assert any("--optimizer=sgd" in line for line in lines), lines
+
+
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     def imp(src: Path, *flags: str) -> str:
         out = tmp_path / f"out-{src.name}"
