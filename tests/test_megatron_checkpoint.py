@@ -184,6 +184,10 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     shutil.copytree(FIXTURES / "llama_tp2_dist_fully", missing)
     (missing / "iter_0000001" / "__1_0.distcp").unlink()
     assert "__1_0.distcp is missing" in imp(missing)
+    rank = tmp_path / "rank"
+    shutil.copytree(FIXTURES / "llama_tp2_torch_distopt", rank)
+    shutil.rmtree(rank / "iter_0000001" / "mp_rank_01")
+    assert "mp_rank_01 is missing" in imp(rank, "--no-load-optim")
 
     def moe(state):
         state["args"].num_experts = 8

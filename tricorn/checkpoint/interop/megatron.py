@@ -245,8 +245,10 @@ def _read_legacy(path: Path) -> MegatronCheckpoint:
     missing = sorted(want - set(ranks))
     if missing:
         t, p = missing[0]
+        name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if args.get("pipeline_model_parallel_size", 1) > 1 else "")
         raise ConvertError(
-            f"{path}: mp_rank_{t:02d}{'' if len(want) == len({w[0] for w in want}) else f'_{p:03d}'} is missing ({len(missing)} rank files in all); the args say TP {args.get('tensor_model_parallel_size')} PP {args.get('pipeline_model_parallel_size')}"
+            f"{path}: {name} is missing ({len(missing)} rank files in all); the saved args say "
+            f"TP {args.get('tensor_model_parallel_size')} PP {args.get('pipeline_model_parallel_size')}"
         )
     common = {k: v for k, v in ranks[(0, 0)].items() if k not in ("model", "rng_state")}
     return MegatronCheckpoint(path, "torch", args, common, ranks=ranks)
@@ -269,20 +271,20 @@ def read_megatron(src: Path) -> MegatronCheckpoint:
     raise ConvertError(f"{path} is not a Megatron checkpoint: no .metadata (torch_dist) and no mp_rank_* (torch) inside")
 
 
-def _check_shapes(ck: MegatronCheckpoint, entries: list[Entry], m: ModelConfig) -> None:
+def _check_dist(ck: MegatronCheckpoint, entries: list[Entry], m: ModelConfig) -> None:
     extra = [k for k in ("output_layer.weight",) if not m.untie_embeddings_and_output_weights and ck.has(k)]
     if extra:
         raise ConvertError(f"{ck.path}: args say tied embeddings, but the weights hold a separate {extra[0]}")
     for e in entries:
-        if not ck.has(e.dist if ck.fmt == "torch_dist" else e.legacy.replace(f"layers.{e.layer}.", "layers.0.", 1)):
+        if not ck.has(e.dist):
             raise ConvertError(f"{ck.path}: tensor {e.dist!r} is missing; the saved args describe a different model")
-        if ck.fmt == "torch_dist":
-            shape = ck.shape(e)
-            stacked = tuple(ck.md.state_dict_metadata[e.dist].size)
-            if e.layer is not None and stacked[0] != m.num_layers:
-                raise ConvertError(f"{ck.path}: {e.dist} stacks {stacked[0]} layers, the args say --num-layers {m.num_layers}")
-            if shape != tricorn_shape(e, m):
-                raise ConvertError(f"{ck.path}: {e.dist} has shape {shape} per layer, the saved args imply {tricorn_shape(e, m)}")
+        stacked = tuple(ck.md.state_dict_metadata[e.dist].size)
+        if e.layer is not None and stacked[0] != m.num_layers:
+            raise ConvertError(f"{ck.path}: {e.dist} stacks {stacked[0]} layers, the args say --num-layers {m.num_layers}")
+        if ck.shape(e) != tricorn_shape(e, m):
+            raise ConvertError(
+                f"{ck.path}: {e.dist} has shape {ck.shape(e)} per layer, the saved args imply {tricorn_shape(e, m)}"
+            )
 
 
 # ---------------------------------------------------------------- import
@@ -299,7 +301,10 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
         ck = read_megatron(src)
         m = model_config_from_args(ck.args, str(ck.path))
         entries = tensor_map(m)
-        _check_shapes(ck, entries, m) if ck.fmt == "torch_dist" else _check_legacy(ck, entries, m)
+        if ck.fmt == "torch_dist":
+            _check_dist(ck, entries, m)
+        else:
+            _check_legacy(ck, entries, m)
         kind = ck.optimizer_kind()
         with_optim = load_optim and kind is not None
         if with_optim and kind != "per_param":
