@@ -73,6 +73,13 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "gpt_tp2_dist_dpresh": (2, GPT + DISTOPT + ["--ckpt-format", "torch_dist", "--tensor-model-parallel-size", "2"]),
 }
 
+# name -> (case it is re-saved from, world size, megatron flags): megatron-core loads the source case's torch_dist
+# checkpoint at another layout and saves it again in the legacy format (model only, iteration 1); the weights are
+# the source's, so the source's logits are this checkpoint's. Covers the legacy format's pipeline stages.
+RESAVED: dict[str, tuple[str, int, list[str]]] = {
+    "llama_pp2_torch": ("llama_tp1_dist", 2, LLAMA + ["--pipeline-model-parallel-size", "2"]),
+}
+
 
 def fixed_tokens(vocab: int = 60) -> np.ndarray:
     return np.random.default_rng(TOKENS_SEED).integers(0, vocab, size=(2, SEQ)).astype(np.int64)
@@ -230,6 +237,8 @@ def _worker(rank: int, world: int, name: str, argv: list[str], out: str, port: i
     with cpu_patches():
         if check:
             _check_export(name, argv, Path(out), Path(check))
+        elif name in RESAVED:
+            _resave_case(name, argv, Path(out))
         else:
             _write_case(name, argv, Path(out))
     torch.distributed.barrier()
@@ -250,6 +259,22 @@ def _write_case(name: str, argv: list[str], out: Path) -> None:
         (out / "megatron_flags.json").write_text(
             json.dumps({"version": MEGATRON_CORE_VERSION, "torch": torch.__version__, "argv": argv}, indent=1)
         )
+
+
+def _resave_case(name: str, argv: list[str], out: Path) -> None:
+    import torch
+    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+
+    args, model, optimizer, scheduler = build(argv)  # the source's torch_dist --load, from _launch
+    source = Path(args.load)
+    load_checkpoint(model, None, None, strict=True)
+    args.ckpt_format, args.use_dist_ckpt, args.save, args.no_save_optim = "torch", False, str(out), True
+    args.consumed_train_samples = args.global_batch_size
+    save_checkpoint(1, model, None, None, 0)
+    if torch.distributed.get_rank() == 0:
+        shutil.copyfile(source / "reference.npz", out / "reference.npz")
+        flags = {"version": MEGATRON_CORE_VERSION, "torch": torch.__version__, "resaved_from": source.name, "argv": argv}
+        (out / "megatron_flags.json").write_text(json.dumps(flags, indent=1))
 
 
 def _check_export(name: str, argv: list[str], ref_dir: Path, exported: Path) -> None:
@@ -274,12 +299,14 @@ def _check_export(name: str, argv: list[str], ref_dir: Path, exported: Path) -> 
     assert err <= 1e-5 * float(np.abs(ref["logits"]).max()), err
 
 
-def _launch(name: str, out: Path, check: str = "") -> None:
+def _launch(name: str, out: Path, check: str = "", source: Path = Path()) -> None:
     import socket
 
     import torch.multiprocessing as mp
 
-    world, flags = CASES[name]
+    world, flags = CASES[name] if name in CASES else RESAVED[name][1:]
+    if name in RESAVED and not check:
+        flags = flags + ["--ckpt-format", "torch_dist", "--load", str(source / RESAVED[name][0]), "--no-load-rng"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -289,7 +316,7 @@ def _launch(name: str, out: Path, check: str = "") -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=Path("tests/fixtures/megatron_ckpt"))
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--cases", nargs="+", default=[*CASES, *RESAVED], choices=[*CASES, *RESAVED])
     parser.add_argument("--check-export", type=Path, help="a tricorn-exported Megatron checkpoint to load in megatron")
     parser.add_argument("--case", choices=list(CASES), help="with --check-export: the case whose model and logits to use")
     args = parser.parse_args()
@@ -302,7 +329,7 @@ def main() -> int:
     for name in args.cases:
         final = args.output / name
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=args.output.parent if args.output.exists() else None))
-        _launch(name, tmp)
+        _launch(name, tmp, source=args.output.resolve())
         shutil.rmtree(final, ignore_errors=True)
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(tmp), final)

@@ -2,7 +2,8 @@
 
 The fixtures in tests/fixtures/megatron_ckpt/ were saved by megatron-core 0.19.2 itself
 (scripts/make_megatron_checkpoints.py): Llama-like and GPT-like models, TP1 and TP2, torch_dist and
-legacy torch, the FP32 and the distributed optimizer, each with megatron's logits for fixed token ids.
+legacy torch (one at PP2, re-saved by megatron from a torch_dist case), the FP32 and the distributed
+optimizer, each with megatron's logits for fixed token ids.
 megatron is not imported here.
 """
 
@@ -59,10 +60,11 @@ def test_fixtures_cover_the_issue():
         ck = read_megatron(FIXTURES / case)
         a = ck.args
         seen |= {("swiglu", a["swiglu"]), ("tp", a["tensor_model_parallel_size"]), ("fmt", ck.fmt)}
+        seen |= {("pp", a["pipeline_model_parallel_size"])}
         seen |= {("distopt", a["use_distributed_optimizer"]), ("tied", not a["untie_embeddings_and_output_weights"])}
         seen |= {("gqa", a["group_query_attention"]), ("rope", a["position_embedding_type"] == "rope")}
     want = {(k, v) for k in ("swiglu", "distopt", "tied", "gqa", "rope") for v in (True, False)}
-    assert want | {("tp", 1), ("tp", 2), ("fmt", "torch"), ("fmt", "torch_dist")} <= seen
+    assert want | {("tp", 1), ("tp", 2), ("pp", 2), ("fmt", "torch"), ("fmt", "torch_dist")} <= seen
     total = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
     assert total < 8 * 2**20, f"fixtures grew to {total / 2**20:.1f} MiB"
 
