@@ -173,6 +173,19 @@ def test_unsupported_training_args_are_listed_not_refused(tmp_path):
     assert any("--optimizer=sgd" in line for line in lines), lines
 
 
+def test_bf16_weights_keep_their_dtype(tmp_path):
+    def bf16(state):
+        state["args"].bf16 = True
+        state["model"] = {k: v.bfloat16() if isinstance(v, torch.Tensor) else v for k, v in state["model"].items()}
+
+    src = _legacy_variant(tmp_path, "bf16", bf16)
+    ckpt = import_megatron(src, tmp_path / "out", load_optim=False, **QUIET)
+    assert read_meta(ckpt)["layout"]["params_dtype"] == "bf16"
+    fp32 = read_tensors(imported(tmp_path, "gpt_tp1_torch") / iter_name(1), "model.")
+    for key, value in read_tensors(ckpt, "model.").items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, fp32[key].bfloat16()), key
+
+
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     def imp(src: Path, *flags: str) -> str:
         out = tmp_path / f"out-{src.name}"

@@ -310,7 +310,8 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
         if with_optim and kind != "per_param":
             why = {
                 "dp_reshardable": "is dp_reshardable (flat per-bucket buffers in Megatron's parameter order)",
-                "legacy": "is the legacy distributed optimizer's (distrib_optim.pt: flat buffers in Megatron's parameter order)",
+                "legacy": "is not the FP32 optimizer's per-parameter state (the distributed optimizer's distrib_optim.pt, "
+                "or mixed precision's fp32 copies, in Megatron's parameter order)",
             }[kind]
             raise ConvertError(
                 f"{ck.path}: the optimizer state {why}, which tricorn cannot map to parameters exactly; "
@@ -325,9 +326,16 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
                 continue
             for f in MOMENTS:
                 by_key[f"optim.{e.name}.{f}"] = (e, f"optimizer.state.{f}.{e.dist}")
-            master = f"optimizer.state.param.{e.dist}"  # the distributed optimizer's fp32 master weights
-            if ck.has(master):  # tricorn keeps fp32 weights as the parameters, masters of bf16/fp16 apart
+            # fp32 master weights: the distributed optimizer's `param`; tricorn keeps fp32 weights as the
+            # parameters and the masters of bf16/fp16 parameters apart.
+            master = next((k for k in (f"optimizer.state.{f}.{e.dist}" for f in ("param", "fp32_param")) if ck.has(k)), None)
+            if master is not None:
                 by_key[f"model.{e.name}" if dtype == torch.float32 else f"optim.{e.name}.master"] = (e, master)
+            elif dtype != torch.float32:
+                raise ConvertError(
+                    f"{ck.path}: {e.dist} has {dtype} parameters but no fp32 master weights in the optimizer state; "
+                    "import the model alone with --no-load-optim"
+                )
         missing = [k for e, k in by_key.values() if k and not ck.has(k)]
         if missing:
             raise ConvertError(f"{ck.path}: optimizer tensor {missing[0]!r} is missing ({len(missing)} in all)")
