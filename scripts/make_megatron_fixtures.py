@@ -7,7 +7,11 @@ separate environment (megatron-core 0.19.2 ships wheels for Python 3.12):
 
     python3.12 -m venv /tmp/mcore
     /tmp/mcore/bin/pip install torch==2.13.0 numpy megatron-core==0.19.2
-    /tmp/mcore/bin/python scripts/make_megatron_fixtures.py --output tests/fixtures/megatron_gpt.npz
+    /tmp/mcore/bin/python scripts/make_megatron_fixtures.py --output tests/fixtures/megatron_gpt.npz \
+        --checkpoints tests/fixtures/megatron_ckpt
+
+(--checkpoints runs scripts/make_megatron_checkpoints.py, which also needs `pip install psutil`: tiny
+Megatron-LM checkpoints with megatron's logits, for tests/test_megatron_checkpoint.py.)
 
 Each case is a few synthetic corpora (sequence lengths drawn from a seed,
 some of them 0; token j of sequence s is token_at(s, j)), written with
@@ -206,6 +210,9 @@ def main() -> None:
         raise SystemExit(f"this script pins megatron-core {MEGATRON_CORE_VERSION}, found {megatron.core.__version__}")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="tests/fixtures/megatron_gpt.npz")
+    parser.add_argument(
+        "--checkpoints", help="also write the Megatron checkpoint fixtures there (scripts/make_megatron_checkpoints.py)"
+    )
     args = parser.parse_args()
     arrays: dict[str, np.ndarray] = {"megatron_core_version": np.array(MEGATRON_CORE_VERSION)}
     grid = cases()
@@ -219,6 +226,12 @@ def main() -> None:
     np.savez_compressed(tmp, **arrays)
     os.replace(tmp, args.output)
     print(f"wrote {args.output}: {len(grid)} cases, {os.path.getsize(args.output) / 1024:.0f} KB")
+    if args.checkpoints:  # its own processes: megatron keeps process groups and args in globals
+        import subprocess
+        import sys
+
+        sibling = os.path.join(os.path.dirname(os.path.abspath(__file__)), "make_megatron_checkpoints.py")
+        subprocess.run([sys.executable, sibling, "--output", args.checkpoints], check=True)
 
 
 if __name__ == "__main__":

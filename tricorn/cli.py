@@ -24,13 +24,21 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("tricorn.plan_cli:main", "rank parallel layouts for a cluster, write sbatch scripts"),
     "import-hf": ("tricorn.checkpoint.interop.hf:import_main", "Hugging Face Llama (safetensors) -> tricorn checkpoint"),
     "export-hf": ("tricorn.checkpoint.interop.hf:export_main", "tricorn checkpoint (any layout) -> Hugging Face Llama"),
+    "import-megatron": (
+        "tricorn.checkpoint.interop.megatron:import_main",
+        "Megatron-LM checkpoint (torch_dist or legacy torch) -> tricorn checkpoint",
+    ),
+    "export-megatron": (
+        "tricorn.checkpoint.interop.megatron_export:export_main",
+        "tricorn checkpoint (any layout) -> Megatron-LM checkpoint",
+    ),
     "tb": ("tricorn.training.tb:main", "start TensorBoard on 127.0.0.1 and print the URL"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: tricorn SUBCOMMAND [args]", "", "subcommands:"]
-    lines += [f"  {name:<11} {helptext}" for name, (_, helptext) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<15} {helptext}" for name, (_, helptext) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
 

@@ -93,7 +93,7 @@ def fsync_dir(path: Path) -> None:
 def _allowed_globals() -> dict[tuple[str, str], Any]:
     import pathlib
 
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import filesystem, metadata, planner
 
     allowed: dict[tuple[str, str], Any] = {}
     for name in (
@@ -108,6 +108,9 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     ):
         allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+    # Megatron-LM's torch_dist checkpoints keep DCP's own save plans in the metadata (plain dataclasses).
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
+        allowed[("torch.distributed.checkpoint.planner", name)] = getattr(planner, name)
     allowed[("torch", "Size")] = torch.Size
     allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict

@@ -22,21 +22,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from tricorn.checkpoint import io
+from tricorn.checkpoint.interop.convert import (  # noqa: F401 - read_model_config, fsync_file: re-exported for tests and bench
+    DTYPES,
+    check_new_save,
+    find_checkpoint_dir,
+    fsync_file,
+    import_meta,
+    read_model_config,
+    read_one,
+    write_checkpoint,
+)
 from tricorn.checkpoint.interop.hf_mapping import (
     ConvertError,
     Mapped,
@@ -51,7 +59,6 @@ from tricorn.checkpoint.interop.hf_mapping import (
 )
 from tricorn.config import Config, ModelConfig, dump_yaml
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -123,26 +130,11 @@ def _check_tensors(where: dict[str, Any], plan: list[Mapped], m: ModelConfig, hf
     return dtypes
 
 
-class LazySavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, except that each tensor is built (by `build(name)`) only when DCP writes it:
-    the state dict DCP plans from holds meta tensors, so only the tensor being written is ever in memory."""
-
-    def __init__(self, build: Callable[[str], torch.Tensor]):
-        super().__init__()
-        self.build = build
-
-    def resolve_data(self, write_item):
-        return self.build(write_item.index.fqn)
-
-
 def import_hf(hf_dir: Path, save: Path, console=print) -> Path:
     """Write HF_DIR's Llama as SAVE/iter_0000000 (weights only); returns the checkpoint directory."""
-    import torch.distributed.checkpoint as dcp
-
     hf_dir, save = Path(hf_dir), Path(save)
     m = model_config_from_hf(read_hf_config(hf_dir), str(hf_dir / "config.json"))
-    if io.complete_checkpoints(save) or (save / io.LATEST_FILE).exists():
-        raise ConvertError(f"--save {save} already holds checkpoints; import into a new directory")
+    check_new_save(save)
     plan = tensor_map(m)
     start = time.perf_counter()
     with open_safetensors(hf_dir) as where:
@@ -155,20 +147,9 @@ def import_hf(hf_dir: Path, save: Path, console=print) -> Path:
 
         # Meta tensors describe names, shapes and dtypes for DCP's plan; the data comes from build().
         state = {k: torch.empty(fused_shape(mp, m), dtype=dtypes[mp.name], device="meta") for k, mp in by_key.items()}
-        save.mkdir(parents=True, exist_ok=True)
-        io.remove_stale_tmp(save)
-        tmp = io.tmp_dir(save, 0, f"import{os.getpid()}")
-        tmp.mkdir()
-        with _quiet_no_dist():
-            dcp.save(state, storage_writer=io.Writer(tmp, 0, 0), planner=LazySavePlanner(build), no_dist=True)
-    params_dtype = {v: k for k, v in DTYPES.items()}[dtypes["tok_embeddings.weight"]]
-    io.atomic_write_text(tmp / io.META_FILE, json.dumps(_weights_only_meta(params_dtype, hf_dir), indent=1))
-    io.atomic_write_text(tmp / io.CONFIG_FILE, dump_yaml(Config(model=m)))
-    io.fsync_dir(tmp)
-    final = save / io.iter_name(0)
-    os.replace(tmp, final)
-    io.fsync_dir(save)
-    io.atomic_write_text(save / io.LATEST_FILE, "0\n")
+        params_dtype = {v: k for k, v in DTYPES.items()}[dtypes["tok_embeddings.weight"]]
+        meta = import_meta(0, params_dtype, f"huggingface:{hf_dir.resolve()}")
+        final = write_checkpoint(save, state, build, meta, dump_yaml(Config(model=m)))
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     seconds = time.perf_counter() - start
     console(f"imported {len(state)} tensors ({nbytes / 1e9:.2f} GB, {params_dtype}) from {hf_dir} into {final} in {seconds:.1f}s")
@@ -176,57 +157,7 @@ def import_hf(hf_dir: Path, save: Path, console=print) -> Path:
     return final
 
 
-def _weights_only_meta(params_dtype: str, source: Path) -> dict:
-    layout = dict(tp=1, pp=1, vpp=1, cp=1, dp=1, world=1, distributed_optimizer=False, zero_stage=1, params_dtype=params_dtype)
-    return {
-        "format_version": io.FORMAT_VERSION,
-        "iteration": 0,
-        "consumed_train_samples": 0,
-        "consumed_valid_samples": 0,
-        "optimizer_step": 0.0,
-        "optimizer_iteration": 0,
-        "loss_scaler": None,
-        "lr": 0.0,
-        "layout": layout,
-        "saved_at": time.time(),
-        # No optimizer state, data position or RNG: a load starts training at iteration 0 (checkpointer.py).
-        "weights_only": True,
-        "source": f"huggingface:{source.resolve()}",
-    }
-
-
-@contextlib.contextmanager
-def _quiet_no_dist() -> Iterator[None]:
-    import warnings
-
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        yield
-
-
 # ---------------------------------------------------------------- export
-
-
-def find_checkpoint_dir(load: Path, ckpt_step: Optional[int]) -> Path:
-    """An iter_N directory given directly, or the latest (or --ckpt-step) one under a save directory."""
-    if io.is_complete(load):
-        return load
-    path, _ = io.find_checkpoint(load, ckpt_step)
-    if path is None:
-        raise ConvertError(f"--load {load} holds no checkpoint; pass a --save directory or one of its iter_N directories")
-    return path
-
-
-def read_model_config(ckpt: Path) -> ModelConfig:
-    import yaml
-
-    path = ckpt / io.CONFIG_FILE
-    try:
-        saved = (yaml.safe_load(path.read_text()) or {}).get("model", {})
-    except (OSError, yaml.YAMLError, AttributeError) as e:
-        raise io.CheckpointError(f"checkpoint damaged: {path} cannot be read ({e})") from None
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in saved.items() if k in known})
 
 
 def parse_size(text: str) -> int:
@@ -288,17 +219,6 @@ def _shard(sources: list[_Source], dtype: torch.dtype, max_bytes: int) -> list[l
     return shards
 
 
-def _read_one(ckpt: Path, src: _Source) -> torch.Tensor:
-    buf = torch.empty(src.shape, dtype=src.dtype)
-    io.dcp_load({src.key: buf}, ckpt, no_dist=True)
-    return buf
-
-
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
 def _tokenizer_files(tokenizer: Path) -> list[Path]:
     if tokenizer.is_file():
         return [tokenizer]
@@ -358,7 +278,7 @@ def export_hf(
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         tensors: dict[str, torch.Tensor] = {}
         for src in shard:  # one checkpoint tensor in memory besides the shard being assembled
-            parts = split(src.mapped.kind, _read_one(ckpt, src).to(out_dtype), m)
+            parts = split(src.mapped.kind, read_one(ckpt, src.key, src.shape, src.dtype).to(out_dtype), m)
             tensors.update(zip(src.mapped.parts, parts))
         save_file(tensors, str(tmp / name), metadata={"format": "pt"})
         fsync_file(tmp / name)  # durable before the directory is renamed into place, like a checkpoint
