@@ -7,7 +7,7 @@ import sys
 import pytest
 from harness import BASE_FLAGS, ENTRY, with_flag
 
-from tricorn.config import PRESETS, ConfigError, config_from_args
+from tricorn.config import PRESETS, ConfigError, config_from_args, dump_yaml
 from tricorn.validation import validate
 
 
@@ -70,6 +70,15 @@ def test_yaml_and_override(tmp_path):
     f.write_text("model:\n  num_layers: 3\n  hidden_size: 96\ntraining:\n  lr: 0.5\n")
     cfg = config_from_args(["--config", str(f), "--num-layers", "5", "--mock-data"])
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.training.lr) == (5, 96, 0.5)
+
+
+def test_the_yaml_a_run_saves_reads_back_as_the_same_config(tmp_path):
+    """config.yaml (log dir, checkpoints) given back to --config rebuilds the run's config, unset Optionals included."""
+    cfg = config_from_args(BASE_FLAGS + ["--tensor-model-parallel-size", "2", "--clip-grad", "0.5"], world_size=2)
+    f = tmp_path / "config.yaml"
+    f.write_text(dump_yaml(cfg))
+    again = config_from_args(["--config", str(f)], world_size=2)
+    assert dump_yaml(again) == dump_yaml(cfg)
 
 
 def test_yaml_unknown_key_names_closest(tmp_path):

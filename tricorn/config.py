@@ -470,7 +470,8 @@ def _apply_yaml(cfg: Config, path: str) -> None:
             if problem:
                 errors.append(f"'{key}.{k}' in {path} (the value of {flag_of(fields[k2])}) {problem}")
             else:
-                setattr(section, k2, float(v) if field_kind(fields[k2])[0] == "float" else v)
+                is_float = v is not None and field_kind(fields[k2])[0] == "float"  # None: an unset Optional
+                setattr(section, k2, float(v) if is_float else v)
     if errors:
         raise ConfigError("; also: ".join(errors))
 
