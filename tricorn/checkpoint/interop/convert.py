@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -140,3 +141,13 @@ def read_one(ckpt: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype) -
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())
+
+
+def run_command(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
+    """A converter command's exit code: 0, or 2 with its one `tricorn: error:` line for a refused input."""
+    try:
+        fn(*args, **kwargs)
+    except (ConvertError, io.CheckpointError) as e:
+        print(f"tricorn: error: {e}", file=sys.stderr)
+        return 2
+    return 0

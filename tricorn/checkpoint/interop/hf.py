@@ -43,6 +43,7 @@ from tricorn.checkpoint.interop.convert import (  # noqa: F401 - read_model_conf
     import_meta,
     read_model_config,
     read_one,
+    run_command,
     write_checkpoint,
 )
 from tricorn.checkpoint.interop.hf_mapping import (
@@ -305,15 +306,6 @@ def export_hf(
 # ---------------------------------------------------------------- command line
 
 
-def _run(fn, *args, **kwargs) -> int:
-    try:
-        fn(*args, **kwargs)
-    except (ConvertError, io.CheckpointError) as e:
-        print(f"tricorn: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def import_main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tricorn import-hf", description="Hugging Face LlamaForCausalLM (safetensors) -> tricorn checkpoint."
@@ -321,7 +313,7 @@ def import_main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--input", required=True, type=Path, help="Hugging Face model directory (config.json, *.safetensors).")
     parser.add_argument("--save", required=True, type=Path, help="New checkpoint directory; train with --load on it.")
     args = parser.parse_args(argv)
-    return _run(import_hf, args.input, args.save)
+    return run_command(import_hf, args.input, args.save)
 
 
 def export_main(argv: Optional[list[str]] = None) -> int:
@@ -345,4 +337,4 @@ def export_main(argv: Optional[list[str]] = None) -> int:
         print(f"tricorn: error: {e}", file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype] if args.dtype else None
-    return _run(export_hf, args.load, args.output, args.ckpt_step, dtype, args.tokenizer, max_bytes)
+    return run_command(export_hf, args.load, args.output, args.ckpt_step, dtype, args.tokenizer, max_bytes)

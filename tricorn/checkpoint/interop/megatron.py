@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -39,6 +38,7 @@ from tricorn.checkpoint.interop.convert import (
     check_new_save,
     import_meta,
     read_one,
+    run_command,
     write_checkpoint,
 )
 from tricorn.checkpoint.interop.hf_mapping import ConvertError, model_flags
@@ -416,15 +416,6 @@ def _check_legacy(ck: MegatronCheckpoint, entries: list[Entry], m: ModelConfig) 
 # ---------------------------------------------------------------- command line
 
 
-def run(fn, *args, **kwargs) -> int:
-    try:
-        fn(*args, **kwargs)
-    except (ConvertError, io.CheckpointError) as e:
-        print(f"tricorn: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def import_main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tricorn import-megatron", description="Megatron-LM checkpoint (torch_dist or legacy torch) -> tricorn checkpoint."
@@ -435,4 +426,4 @@ def import_main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("out", type=Path, help="New tricorn checkpoint directory; train with --load on it.")
     parser.add_argument("--no-load-optim", action="store_true", help="Import the model only (training restarts at iteration 0).")
     args = parser.parse_args(argv)
-    return run(import_megatron, args.megatron_dir, args.out, not args.no_load_optim)
+    return run_command(import_megatron, args.megatron_dir, args.out, not args.no_load_optim)

@@ -24,9 +24,9 @@ from typing import Any, Optional
 import torch
 
 from tricorn.checkpoint import io
-from tricorn.checkpoint.interop.convert import find_checkpoint_dir, quiet_no_dist, read_model_config, read_one
+from tricorn.checkpoint.interop.convert import find_checkpoint_dir, quiet_no_dist, read_model_config, read_one, run_command
 from tricorn.checkpoint.interop.hf_mapping import ConvertError
-from tricorn.checkpoint.interop.megatron import COMMON_KEY, local_group, run
+from tricorn.checkpoint.interop.megatron import COMMON_KEY, local_group
 from tricorn.checkpoint.interop.megatron_mapping import Entry, split_tp, tensor_map, to_megatron, tricorn_shape
 from tricorn.config import ModelConfig
 
@@ -219,4 +219,4 @@ def export_main(argv: Optional[list[str]] = None) -> int:
         "--tensor-model-parallel-size", type=int, default=1, help="--format torch: TP ranks to write (Megatron loads at that TP)."
     )
     args = parser.parse_args(argv)
-    return run(export_megatron, args.ckpt, args.out, args.format, args.ckpt_step, args.tensor_model_parallel_size)
+    return run_command(export_megatron, args.ckpt, args.out, args.format, args.ckpt_step, args.tensor_model_parallel_size)
