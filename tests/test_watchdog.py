@@ -102,7 +102,7 @@ def test_record_round_trip() -> None:
 
 # ---------------------------------------------------------------- NCCL's messages, as real runs printed them
 
-# torch's ProcessGroupNCCL watchdog (WorkNCCL::checkTimeout), recorded from real jobs.
+# torch's ProcessGroupNCCL watchdog (WorkNCCL::checkTimeout): the shapes real jobs print.
 NCCL_TIMEOUTS = [
     (
         "[PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog thread terminated with exception: [Rank 1] "
@@ -120,6 +120,19 @@ NCCL_TIMEOUTS = [
         "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=77, OpType=SCATTER, NumelIn=29360128, "
         "NumelOut=0, Timeout(ms)=1800000) ran for 1800047 milliseconds before timing out.",
         "scatter",
+    ),
+    # Lines as public bug reports quote them (torch 2.x; the first from hiyouga/LlamaFactory#6269, the second,
+    # torch 1.x's shorter form without the element counts, from OFA-Sys/OFA#271).
+    (
+        "[rank0]:[E1206 18:44:12.715298746 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught collective operation "
+        "timeout: WorkNCCL(SeqNum=7753, OpType=_REDUCE_SCATTER_BASE, NumelIn=544997376, NumelOut=68124672, "
+        "Timeout(ms)=600000) ran for 600061 milliseconds before timing out.",
+        "_reduce_scatter_base",
+    ),
+    (
+        "[E ProcessGroupNCCL.cpp:737] [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=469508, "
+        "OpType=ALLREDUCE, Timeout(ms)=1800000) ran for 1802212 milliseconds before timing out.",
+        "allreduce",
     ),
 ]
 
