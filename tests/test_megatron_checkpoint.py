@@ -260,3 +260,17 @@ def test_resume_at_another_layout_continues_the_same_run(tmp_path):
         assert [r["iteration"] for r in run.records if "loss" in r] == [2, 3, 4], run.stdout
         assert "resuming after iteration 1 (2 samples consumed" in run.stdout
     assert abs(other.losses[0] - same.losses[0]) <= FP32_RTOL * abs(same.losses[0]), (other.losses, same.losses)
+
+
+def test_without_the_optimizer_state_training_goes_on_from_megatrons_iteration(tmp_path):
+    """Megatron's default distributed-optimizer format (dp_reshardable) imported with --no-load-optim: the weights,
+    iteration and data position come along, Adam starts fresh (Megatron's own --no-load-optim), and a run from it
+    trains iterations 2-3 after Megatron's iteration 1."""
+    out = imported(tmp_path, "gpt_tp2_dist_dpresh")
+    meta = read_meta(sorted(out.glob("iter_*"))[0])
+    assert (meta["iteration"], meta["consumed_train_samples"], meta["optimizer_state"]) == (1, 2, False), meta
+    assert not meta["weights_only"] and meta["optimizer_step"] == 0
+    flags = ["--config", str(out / RUN_CONFIG), "--load", str(out), "--device", "cpu", "--mock-data"]
+    run = run_layout([*flags, *"--seq-length 16 --train-iters 3 --log-interval 1".split()], 1, tmp_path / "run")
+    assert [r["iteration"] for r in run.records if "loss" in r] == [2, 3], run.stdout
+    assert "holds no optimizer state" in run.stdout and "resuming after iteration 1 (2 samples consumed" in run.stdout

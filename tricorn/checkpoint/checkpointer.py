@@ -318,12 +318,15 @@ class Checkpointer:
         # A weights-only checkpoint (`tricorn import-hf`) has no optimizer state, data position or RNG states:
         # like Megatron's converted "release" checkpoints it always starts training at iteration 0.
         weights_only = bool(meta.get("weights_only"))
-        load_optim = not (c.no_load_optim or c.finetune or weights_only)
+        no_optimizer_state = meta.get(io.OPTIMIZER_STATE, True) is False
+        load_optim = not (c.no_load_optim or c.finetune or weights_only or no_optimizer_state)
         self._load_tensors(trainer, path, md, load_optim, meta)
         if c.finetune or weights_only:
             why = f"weights-only checkpoint from {meta.get('source', 'an import')}" if weights_only else "--finetune"
             self.console(f"checkpoint: {why}: weights of iteration {meta['iteration']}, training starts at iteration 0")
             return 0
+        if no_optimizer_state and not c.no_load_optim:
+            self.console(f"checkpoint: {path} holds no optimizer state ({meta.get('source', 'an import')}): fresh Adam moments")
         self._load_progress(trainer, meta, load_optim)
         self._load_rng(path, meta)
         self.loaded_iteration = trainer.iteration

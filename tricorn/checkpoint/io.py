@@ -359,6 +359,9 @@ OPTIONAL_META: dict[str, tuple[tuple[type, ...], Optional[float]]] = {
     "spiky_loss": ((dict,), None),
 }
 LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "dp")
+# meta.json of an import that carries the run's progress but no optimizer state (`import-megatron --no-load-optim`)
+# holds this key as false: a load then goes on from its iteration with fresh optimizer state.
+OPTIMIZER_STATE = "optimizer_state"
 
 
 def read_meta(ckpt: Path) -> dict:

@@ -8,8 +8,8 @@ stored it per parameter (the FP32 optimizer's or the distributed optimizer's `fu
 state; the legacy format's FP32 optimizer, whose state is indexed by Megatron's parameter order, derived
 and checked in megatron_mapping.legacy_optimizer_order), the Adam moments. Optimizer state tricorn cannot
 map to parameters exactly (`dp_reshardable` buckets, the legacy distributed optimizer's `distrib_optim.pt`)
-is refused in one line unless --no-load-optim, which imports the model alone (training then starts at
-iteration 0, like an import-hf checkpoint).
+is refused in one line unless --no-load-optim, which leaves the optimizer state out (training then goes on
+from Megatron's iteration and data position with fresh Adam moments, as Megatron's own --no-load-optim does).
 `OUT/megatron.yaml` holds the run's model and training flags, and on its first line the Megatron args
 tricorn does not reproduce.
 
@@ -315,7 +315,7 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
             }[kind]
             raise ConvertError(
                 f"{ck.path}: the optimizer state {why}, which tricorn cannot map to parameters exactly; "
-                "import the model alone with --no-load-optim, or re-save in Megatron with --ckpt-format torch_dist "
+                "import without the optimizer state with --no-load-optim, or re-save in Megatron with --ckpt-format torch_dist "
                 "--dist-ckpt-optim-fully-reshardable"
             )
         dtype = torch.bfloat16 if ck.args.get("bf16") else torch.float16 if ck.args.get("fp16") else torch.float32
@@ -334,7 +334,7 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
             elif dtype != torch.float32:
                 raise ConvertError(
                     f"{ck.path}: {e.dist} has {dtype} parameters but no fp32 master weights in the optimizer state; "
-                    "import the model alone with --no-load-optim"
+                    "import without the optimizer state with --no-load-optim"
                 )
         missing = [k for e, k in by_key.values() if k and not ck.has(k)]
         if missing:
@@ -350,17 +350,18 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
         }
         params_dtype = {v: k for k, v in DTYPES.items()}[dtype]
         source = f"megatron:{ck.path.resolve()}"
-        iteration = ck.iteration if with_optim else 0
-        progress = {}
+        # The run's progress comes along with or without the optimizer state: without it (Megatron's
+        # --no-load-optim), training goes on from Megatron's iteration and data position with fresh Adam moments.
+        progress = {
+            "consumed_train_samples": int(ck.args.get("consumed_train_samples") or 0),
+            "consumed_valid_samples": int(ck.args.get("consumed_valid_samples") or 0),
+            "lr": ck.lr(),
+        }
         if with_optim:
-            progress = {
-                "consumed_train_samples": int(ck.args.get("consumed_train_samples") or 0),
-                "consumed_valid_samples": int(ck.args.get("consumed_valid_samples") or 0),
-                "optimizer_step": ck.optimizer_step(),
-                "optimizer_iteration": ck.iteration,
-                "lr": ck.lr(),
-            }
-        meta = import_meta(iteration, params_dtype, source, **progress)
+            progress.update(optimizer_step=ck.optimizer_step(), optimizer_iteration=ck.iteration)
+        else:
+            progress[io.OPTIMIZER_STATE] = False
+        meta = import_meta(ck.iteration, params_dtype, source, **progress)
         training = TrainingConfig(**training_fields(ck.args, ck.common.get("opt_param_scheduler") or {}))
         cfg = Config(model=m, training=training)
         final = write_checkpoint(out, state, build, meta, dump_yaml(cfg))
@@ -369,7 +370,7 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
     header = f"# Megatron args tricorn does not reproduce: {note}\n"
     io.atomic_write_text(out / RUN_CONFIG, header + _run_yaml(cfg))
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    what = "model and optimizer state" if with_optim else "model only"
+    what = "model and optimizer state" if with_optim else "model and progress, no optimizer state"
     console(
         f"imported {ck.fmt} checkpoint {ck.path} (iteration {ck.iteration}, {what}, {len(state)} tensors, "
         f"{nbytes / 1e9:.3f} GB) into {final} in {time.perf_counter() - start:.1f}s"
@@ -424,6 +425,10 @@ def import_main(argv: Optional[list[str]] = None) -> int:
         "megatron_dir", type=Path, help="Megatron --save directory (its latest iteration) or an iter_N directory."
     )
     parser.add_argument("out", type=Path, help="New tricorn checkpoint directory; train with --load on it.")
-    parser.add_argument("--no-load-optim", action="store_true", help="Import the model only (training restarts at iteration 0).")
+    parser.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="Leave the optimizer state out: training goes on from Megatron's iteration and data position with fresh Adam moments.",
+    )
     args = parser.parse_args(argv)
     return run_command(import_megatron, args.megatron_dir, args.out, not args.no_load_optim)
