@@ -8,7 +8,8 @@ covers which claim of the issue:
   a resume from that checkpoint that must repeat iterations 4-5 bit for bit;
 - dualpipev at PP2 x DP2 with --use-distributed-optimizer and --overlap-grad-reduce (the bucket
   reduction starts only at each chunk's last W), micro batch 1 (4 microbatches = 2 x pp), and MoE
-  experts over EP2 (the experts' GEMMs stay in B; the dense linears defer).
+  experts over EP2 (the linears, the norms and the routed experts' loop of GEMMs defer their weight
+  gradients to the W: the experts' W computes from the rows the all_to_all delivered, with no message).
 
 zb-h1 (PP2 and PP4, where every rank defers a different number of W's), dualpipev at PP4,
 zbv/dualpipev at PP2 and the bitwise equality of one iteration's gradients with 1F1B (zb-h1: the same stages and,

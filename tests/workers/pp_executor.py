@@ -10,8 +10,8 @@ checks on every rank:
 - optimizer.microbatch(is_last, chunk) wrapped every backward, is_last only on each chunk's last
   (zero-bubble schedules: every B and every W, is_last only on each chunk's last W);
 - the P2P bytes sent are the activation size times the number of sends;
-- zero-bubble schedules (built with the tensor-parallel spec, whose linears defer their weight
-  gradients) ran W's that computed deferred gradients, and zb-h1's gradients equal 1F1B's bit for
+- zero-bubble schedules (built with the tensor-parallel spec, whose linears and norms defer their
+  weight gradients) ran W's that computed deferred gradients, and zb-h1's gradients equal 1F1B's bit for
   bit: same stages, and every parameter accumulates its microbatches in the same order 0..m-1.
 Prints "ok" on success.
 """
@@ -110,7 +110,7 @@ def run_case(pp: int, vpp: int, m: int, kind, untied: bool, forward_only: bool) 
     mbs = make_microbatches(cfg, m)
     num_tokens = sum(mb.loss_mask.sum() for mb in mbs)
     zero_bubble = kind in ZERO_BUBBLE
-    # The tensor-parallel spec (TP 1 here) is the trainer's: its linears are the ones that defer dW.
+    # The tensor-parallel spec (TP 1 here) is the trainer's: its linears and norms are the ones that defer dW.
     spec = tensor_parallel_spec(cfg, state.tp_group) if zero_bubble else None
 
     def execute(kind_cfg):
