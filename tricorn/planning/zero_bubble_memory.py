@@ -180,11 +180,19 @@ class ZeroBubblePeak:
 
 
 def zero_bubble_activation_peak(
-    model: ModelConfig, layout: Layout, stage: int, layers: int, profile: ActivationProfile, first_layer: int = 0
+    model: ModelConfig,
+    layout: Layout,
+    stage: int,
+    layers: int,
+    profile: ActivationProfile,
+    first_layer: int = 0,
+    backward_transient: float = 0.0,
 ) -> ZeroBubblePeak:
     """The highest activation bytes of pipeline rank ``stage`` (``layers`` transformer layers from global layer
     ``first_layer`` on the loop placement; on the v placement two chunks of ``layers / 2`` placed by their
-    virtual stage), walking the rank's action list (module docstring)."""
+    virtual stage), walking the rank's action list (module docstring). ``backward_transient``: what a layer's
+    backward holds beyond its saved tensors (an MoE layer's workspace, CP's buffers), counted at each B beside
+    the stores held then."""
     from tricorn.parallel.pipeline.actions import V, is_first_stage, is_last_stage, virtual_stage
     from tricorn.parallel.pipeline.schedules import placement_of
 
@@ -203,8 +211,10 @@ def zero_bubble_activation_peak(
         start = virtual_stage(stage, c, layout.pp, placement) * per_chunk if placement == V else first_layer
         ids_c = range(start, start + per_chunk)  # which layers: MoE layers have fewer deferred linears
         held.append(chunk_held + (ids if is_first_stage(stage, c) else 0.0))
-        # Under full recompute one group is rebuilt during the B; on the first stage the B ends in the embedding's.
-        rebuilt.append(max(rebuild, embedding_backward_bytes(model, layout) if is_first_stage(stage, c) else 0.0))
+        # Under full recompute one group is rebuilt during the B (with a layer's transient); on the first stage
+        # the B ends in the embedding's.
+        embedding = embedding_backward_bytes(model, layout) if is_first_stage(stage, c) else 0.0
+        rebuilt.append(max(rebuild + backward_transient, embedding))
         kept, extra = weight_grad_store_bytes(model, layout, ids_c, head)
         store.append(kept)
         excess.append(extra)
