@@ -29,8 +29,10 @@ norm outputs) and so are the gradients. Where torch's fused kernels run instead 
 
 The walk (``zero_bubble_activation_peak``): over the rank's compute actions, F adds the chunk's activations
 (on the head's chunk with the loss part of activations.py, live until the backward starts), a B swaps them
-for the store (under full recompute one group is rebuilt meanwhile; on the first stage it ends in the
-embedding's backward, activations.embedding_backward_bytes), a W releases the store; a W computes
+for the store (under full recompute one group is rebuilt meanwhile; a layer's backward transient - an MoE
+layer's workspace, activations.moe_backward_workspace, which with deferred experts keeps the SwiGLU output their W
+needs and builds no stacked weight gradient - rides on it; on the first stage it ends in the embedding's
+backward, activations.embedding_backward_bytes), a W releases the store; a W computes
 one weight gradient at a time and drops each thunk's tensors as soon as it is handed over (wgrad.py), so it
 peaks at what is still queued plus the gradient in hand. The rank's peak is the largest of these moments -
 what the schedule's real order of F, B and W holds, not a count of microbatches.
