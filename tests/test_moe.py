@@ -430,14 +430,16 @@ def test_activation_formula_counts_what_the_moe_layer_saves(kw, dtype):
         "--pipeline-model-parallel-size 2 --expert-model-parallel-size 4",
         "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 4",
         "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 4 --expert-tensor-parallel-size 2",
+        "--pipeline-model-parallel-size 2 --expert-model-parallel-size 4 --pipeline-schedule zb-h1",
     ],
-    ids=["ep4-pp2", "tp2-sp-ep4", "tp2-sp-ep4-etp2"],
+    ids=["ep4-pp2", "tp2-sp-ep4", "tp2-sp-ep4-etp2", "ep4-pp2-zb-h1"],
 )
 def test_simulate_builds_only_local_experts_and_matches_the_estimate(layout):
     """tricorn simulate at Mixtral's size (4 of its 32 layers) with EP4 x PP2, and TP2 x EP4 under SP (the experts
     take a sequence shard), also with expert TP (each expert split over TP, the gathered sequence through it):
     each rank builds 2 of the 8 experts of its layers, and the estimator says what the run allocates
-    (test_simulate.py's bound)."""
+    (test_simulate.py's bound). Under zb-h1 the loop of expert GEMMs keeps its rows and output gradients from B to
+    W (planning/zero_bubble_memory.py), and its B keeps the SwiGLU output its W needs."""
     from tricorn.simulate import KEYS, config_for_simulation, default_ranks, ratio, simulate
 
     flags = "--model-preset mixtral-8x7b --num-layers 4 --bf16 --use-distributed-optimizer --micro-batch-size 1"

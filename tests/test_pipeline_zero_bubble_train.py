@@ -8,7 +8,9 @@ covers which claim of the issue:
   a resume from that checkpoint that must repeat iterations 4-5 bit for bit;
 - dualpipev at PP2 x DP2 with --use-distributed-optimizer and --overlap-grad-reduce (the bucket
   reduction starts only at each chunk's last W), micro batch 1 (4 microbatches = 2 x pp), and MoE
-  experts over EP2, saving at iteration 3 and resuming bit for bit (the experts' GEMMs stay in B; the dense linears defer);
+  experts over EP2 (the linears, the norms and the routed experts' loop of GEMMs defer their weight
+  gradients to the W: the experts' W computes from the rows the all_to_all delivered, with no message), saving at
+  iteration 3 and resuming bit for bit;
 - zb-h1 at PP4 with tied embeddings (m = p: every rank defers a different number of W's; the embedding
   gradient crosses from the last stage to the first), saving at iteration 3 and resuming bit for bit.
 

@@ -10,9 +10,10 @@ checks on every rank:
 - optimizer.microbatch(is_last, chunk) wrapped every backward, is_last only on each chunk's last
   (zero-bubble schedules: every B and every W, is_last only on each chunk's last W);
 - the P2P bytes sent are the activation size times the number of sends;
-- zero-bubble schedules (built with the tensor-parallel spec, whose linears defer their weight
-  gradients) ran W's that computed deferred gradients, and zb-h1's gradients equal 1F1B's bit for
-  bit: same stages, and every parameter accumulates its microbatches in the same order 0..m-1.
+- zero-bubble schedules (built with the tensor-parallel spec, whose linears and norms defer their
+  weight gradients) ran W's that computed every linear's and norm's weight gradient, and zb-h1's
+  gradients equal 1F1B's bit for bit: same stages, and every parameter accumulates its
+  microbatches in the same order 0..m-1.
 Prints "ok" on success.
 """
 
@@ -110,7 +111,7 @@ def run_case(pp: int, vpp: int, m: int, kind, untied: bool, forward_only: bool) 
     mbs = make_microbatches(cfg, m)
     num_tokens = sum(mb.loss_mask.sum() for mb in mbs)
     zero_bubble = kind in ZERO_BUBBLE
-    # The tensor-parallel spec (TP 1 here) is the trainer's: its linears are the ones that defer dW.
+    # The tensor-parallel spec (TP 1 here) is the trainer's: its linears and norms are the ones that defer dW.
     spec = tensor_parallel_spec(cfg, state.tp_group) if zero_bubble else None
 
     def execute(kind_cfg):
@@ -160,7 +161,11 @@ def run_case(pp: int, vpp: int, m: int, kind, untied: bool, forward_only: bool) 
         calls = 2 * m if zero_bubble else m  # a B and a W per microbatch
         assert len(flags) == calls and flags[-1] and not any(flags[:-1]), f"{name}: chunk {c} is_last flags {flags}"
     if zero_bubble:
-        assert executor.weights_deferred > 0, f"{name}: no weight gradient was deferred"
+        # Per microbatch, every linear's and norm's weight waits for its W (the embeddings' and the biases' do not).
+        deferrable = sum(n.endswith("weight") and "embeddings" not in n for c in chunks for n, _ in c.named_parameters())
+        assert executor.weights_deferred == m * deferrable, (
+            f"{name}: {executor.weights_deferred} deferred, want {m} x {deferrable}"
+        )
         assert sum(a.kind is WEIGHT for a in executor.order) == m * vpp
     if kind == "zb-h1":
         one_f_one_b = config_from_args([a if a != "zb-h1" else "1f1b" for a in argv], world_size=WORLD)

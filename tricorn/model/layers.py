@@ -1,7 +1,8 @@
 """Small building blocks of the decoder: norms in fp32 and rotary position embedding.
 
 The norms compute in fp32 but keep their input in its own dtype for backward (lean.py); RoPE tables are
-indexed once per layer and applied by lean.split_qkv_rope, which keeps only those rows."""
+indexed once per layer and applied by lean.split_qkv_rope, which keeps only those rows. A norm's `weight_grad` hook
+(lean.WeightGrad, from the layer spec) may take its weight's gradient to a zero-bubble W (tricorn/parallel/wgrad.py)."""
 
 from __future__ import annotations
 
@@ -12,30 +13,30 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tricorn.model.lean import norm
+from tricorn.model.lean import WeightGrad, norm
 
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 whatever the activation dtype (bf16 statistics drift)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, weight_grad: Optional[WeightGrad] = None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.weight_grad = eps, weight_grad
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return norm(x, self.weight, None, self.eps, center=False)
+        return norm(x, self.weight, None, self.eps, center=False, weight_grad=self.weight_grad)
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, weight_grad: Optional[WeightGrad] = None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.weight_grad = eps, weight_grad
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return norm(x, self.weight, self.bias, self.eps, center=True)
+        return norm(x, self.weight, self.bias, self.eps, center=True, weight_grad=self.weight_grad)
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,16 @@ in fp32 a full fp32 copy of the logits. These functions do the same math and sav
 
 The statistics and all reductions are in fp32, as before. On CUDA in eager mode `norm` runs torch's fused
 F.rms_norm / F.layer_norm instead, which keep the same tensors (see `norm`). Optional `reduce_max` / `reduce_sum` callables
-let tricorn.parallel make the cross entropy vocab-parallel without this package calling a collective.
+let tricorn.parallel make the cross entropy vocab-parallel without this package calling a collective, and a
+`WeightGrad` hook (the layer spec's `weight_grad`) lets it defer a norm's weight gradient to a zero-bubble W
+(tricorn/parallel/wgrad.py); without one (the default, and under torch.compile, whose traced backward must not
+call back into Python state) the backward computes it.
 No collectives here; memory effect: see the table above (planning/activations.py counts it).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Optional
 
@@ -27,6 +31,14 @@ import torch.nn.functional as F
 CE_CHUNK_ELEMENTS = 1 << 24  # fp32 logits per chunk of the cross entropy (64 MiB transient)
 
 Reduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
+# (the weight tensor the forward received, a thunk computing its gradient) -> the gradient now, or None when the
+# hook has queued the thunk to run later (a zero-bubble W: tricorn/parallel/wgrad.py's `defer`).
+WeightGrad = Callable[[torch.Tensor, Callable[[], torch.Tensor]], Optional[torch.Tensor]]
+
+
+def eager_hook(hook: Optional[WeightGrad]) -> Optional[WeightGrad]:
+    """`hook` in eager mode; None while torch.compile traces (its backward graph would bake the hook's decision)."""
+    return None if torch.compiler.is_compiling() else hook
 
 
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -37,9 +49,13 @@ def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- norms
 
 
+def _norm_weight_grad(product: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return product.flatten(0, -2).sum(0).to(dtype)  # the reduction over tokens, deferred or not
+
+
 class _Norm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, center: bool):
+    def forward(ctx, x, weight, bias, eps: float, center: bool, weight_grad: Optional[WeightGrad]):
         xf = at_least_fp32(x)
         mean = xf.mean(-1, keepdim=True) if center else None
         xc = xf - mean if center else xf
@@ -49,6 +65,9 @@ class _Norm(torch.autograd.Function):
             y = y + at_least_fp32(bias)
         ctx.save_for_backward(x, weight, rstd, mean)
         ctx.has_bias = bias is not None
+        ctx.weight_grad = weight_grad
+        if weight_grad is not None:
+            ctx.param = weight  # the tensor received (not its saved copy), for the hook
         return y.to(x.dtype)
 
     @staticmethod
@@ -56,17 +75,28 @@ class _Norm(torch.autograd.Function):
         x, weight, rstd, mean = ctx.saved_tensors
         xhat = ((at_least_fp32(x) - mean) if mean is not None else at_least_fp32(x)) * rstd
         gy = at_least_fp32(grad)
-        gw = (gy * xhat).flatten(0, -2).sum(0).to(weight.dtype)
+        if ctx.weight_grad is None:
+            gw = _norm_weight_grad(gy * xhat, weight.dtype)
+        else:  # a deferred gradient keeps only the fp32 product, not x and the output gradient
+            gw = ctx.weight_grad(ctx.param, functools.partial(_norm_weight_grad, gy * xhat, weight.dtype))
         gb = gy.flatten(0, -2).sum(0).to(weight.dtype) if ctx.has_bias else None
         gxhat = gy * at_least_fp32(weight)
         gx = gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True)
         if mean is not None:
             gx = gx - gxhat.mean(-1, keepdim=True)
-        return (gx * rstd).to(x.dtype), gw, gb, None, None
+        return (gx * rstd).to(x.dtype), gw, gb, None, None, None
 
 
-def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, center: bool) -> torch.Tensor:
-    """RMSNorm (center=False) or LayerNorm (center=True, with bias) in fp32, saving x in its own dtype.
+def norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    eps: float,
+    center: bool,
+    weight_grad: Optional[WeightGrad] = None,
+) -> torch.Tensor:
+    """RMSNorm (center=False) or LayerNorm (center=True, with bias) in fp32, saving x in its own dtype; `weight_grad`
+    hands the weight's gradient over in _Norm's backward (the fused CUDA kernels compute it in theirs).
 
     Eager on CUDA: torch's fused kernels (one kernel forward, one backward). They keep exactly what _Norm keeps:
     F.layer_norm (native_layer_norm) the input and fp32 mean and rstd, F.rms_norm (_fused_rms_norm) the input and
@@ -80,7 +110,7 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], ep
     if x.is_cuda and not torch.compiler.is_compiling():
         shape = (x.shape[-1],)
         return F.layer_norm(x, shape, weight, bias, eps) if center else F.rms_norm(x, shape, weight, eps)
-    return _Norm.apply(x, weight, bias, eps, center)
+    return _Norm.apply(x, weight, bias, eps, center, eager_hook(weight_grad))
 
 
 # ---------------------------------------------------------------- QKV split and RoPE

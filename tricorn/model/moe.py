@@ -46,7 +46,8 @@ Expert tensor parallelism (spec.expert_tensor_parallel = (TP rank, TP)): each ex
 spec's `expert_tp_enter` gives every TP rank the same tokens (and under SP the gathered routing of the shards:
 `_tp_routing`) and `expert_tp_exit` sums the partial outputs over TP. The router is unchanged.
 
-No collectives; `dispatch` is a hook a parallel implementation replaces (expert parallelism), and
+No collectives; `dispatch` is a hook a parallel implementation replaces (expert parallelism), `weight_grad` (the
+spec's) one that may defer the loop of GEMMs' weight gradients to a zero-bubble W (tricorn/parallel/wgrad.py), and
 `sequence_sum` another (the TP all-reduce under SP; routers and experts then carry `sequence_parallel`, so the
 trainer sums their gradients over TP like the norm weights').
 Memory: the sorted token copies and their FFN intermediates, T*k rows instead of T.
@@ -55,6 +56,7 @@ Memory: the sorted token copies and their FFN intermediates, T*k rows instead of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -67,7 +69,7 @@ from torch import nn
 
 from tricorn.config import ModelConfig
 from tricorn.model.init import EXPERT_ATTR, EXPERT_TP_ATTR, SHARD_ATTR, ShardInfo
-from tricorn.model.lean import swiglu
+from tricorn.model.lean import WeightGrad, eager_hook, swiglu
 from tricorn.model.spec import LayerSpec
 
 # The weight of the aux-loss gradient (Megatron: MoEAuxLossAutoScaler.main_loss_backward_scale).
@@ -264,15 +266,26 @@ def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return grouped_mm_fast(x.device.type, x.dtype, torch.cuda.get_device_capability(x.device), rows)
 
 
+def _expert_weight_grads(x: torch.Tensor, grad: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Each expert's weight gradient g_e^T x_e, written into one stacked [E, out, in] gradient."""
+    grad_w = grad.new_empty(len(counts), grad.shape[1], x.shape[1])
+    for e, (part, g) in enumerate(zip(x.split(counts), grad.split(counts))):
+        torch.mm(g.t(), part, out=grad_w[e])
+    return grad_w
+
+
 class _LoopGemm(torch.autograd.Function):
     """Rows grouped by expert times each expert's weight, one GEMM per expert, written into one output; backward
     writes each expert's weight gradient into one stacked gradient (autograd over a list of GEMMs would hold the
-    concatenated parts and a per-expert gradient beside the stack)."""
+    concatenated parts and a per-expert gradient beside the stack), handed to the `weight_grad` hook when there is
+    one (a zero-bubble W may take it: it then keeps x and grad, not the stack)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, counts: list[int], weight_grad: Optional[WeightGrad]) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.counts = counts
+        ctx.counts, ctx.weight_grad = counts, weight_grad
+        if weight_grad is not None:
+            ctx.param = weight  # the tensor received (not its saved copy), for the hook
         out = x.new_empty(x.shape[0], weight.shape[1])
         for e, (part, rows) in enumerate(zip(x.split(counts), out.split(counts))):
             torch.mm(part, weight[e].t(), out=rows)
@@ -281,26 +294,36 @@ class _LoopGemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        grad_x, grad_w = torch.empty_like(x), torch.empty_like(weight)
-        for e, (part, g, gx) in enumerate(zip(x.split(ctx.counts), grad.split(ctx.counts), grad_x.split(ctx.counts))):
+        grad_x = torch.empty_like(x)
+        for e, (g, gx) in enumerate(zip(grad.split(ctx.counts), grad_x.split(ctx.counts))):
             torch.mm(g, weight[e], out=gx)
-            torch.mm(g.t(), part, out=grad_w[e])
-        return grad_x, grad_w, None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            thunk = functools.partial(_expert_weight_grads, x, grad, ctx.counts)
+            grad_w = thunk() if ctx.weight_grad is None else ctx.weight_grad(ctx.param, thunk)
+        return grad_x, grad_w, None, None
 
 
-def expert_gemm(x: torch.Tensor, weight: torch.Tensor, counts: Optional[list[int]], ends: Optional[torch.Tensor]) -> torch.Tensor:
-    """Rows of x grouped by expert (counts[e] rows for expert e) times weight[e].T: [sum counts, out]."""
+def expert_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counts: Optional[list[int]],
+    ends: Optional[torch.Tensor],
+    weight_grad: Optional[WeightGrad] = None,
+) -> torch.Tensor:
+    """Rows of x grouped by expert (counts[e] rows for expert e) times weight[e].T: [sum counts, out]. The loop's
+    weight gradient goes through `weight_grad` (lean.WeightGrad); torch's grouped matmul computes its own."""
     if ends is not None:
         return F.grouped_mm(x, weight.transpose(1, 2), offs=ends)
-    return _LoopGemm.apply(x, weight, counts)
+    return _LoopGemm.apply(x, weight, counts, eager_hook(weight_grad))
 
 
 class Experts(nn.Module):
     """E FFNs with stacked weights (no biases: --num-experts needs --disable-bias-linear): [rows by expert, h] -> same."""
 
-    def __init__(self, cfg: ModelConfig, num_local_experts: int, tp: int = 1):
+    def __init__(self, cfg: ModelConfig, num_local_experts: int, tp: int = 1, weight_grad: Optional[WeightGrad] = None):
         super().__init__()
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.weight_grad = cfg.swiglu, weight_grad  # the spec's hook for the loop's weight gradients
         ffn = cfg.moe_ffn_size // tp  # expert tensor parallelism: this rank's w1 rows (whole gate/up pairs), w2 columns
         self.w1 = nn.Parameter(torch.empty(num_local_experts, ffn * (2 if cfg.swiglu else 1), cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_local_experts, cfg.hidden_size, ffn))
@@ -314,9 +337,9 @@ class Experts(nn.Module):
         GEMMs needs (None only when `grouped(x)`)."""
         w1, w2 = self.w1.to(x.dtype), self.w2.to(x.dtype)
         ends = torch.cumsum(counts, 0).to(torch.int32) if self.grouped(x) else None
-        h = expert_gemm(x, w1, host, ends)
+        h = expert_gemm(x, w1, host, ends, self.weight_grad)  # a cast w1 (another dtype) is no leaf: never deferred
         h = swiglu(h) if self.swiglu else F.gelu(h)  # SwiGLU saves only its input (lean.py), as the dense MLP
-        return expert_gemm(h, w2, host, ends)
+        return expert_gemm(h, w2, host, ends, self.weight_grad)
 
 
 def sort_by_expert(experts: torch.Tensor, kept: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,7 +382,7 @@ class MoEMLP(nn.Module):
         self.router = Router(cfg, spec.sequence_shards, spec.sequence_sum)
         ep_rank, ep = spec.expert_parallel
         etp_rank, etp = spec.expert_tensor_parallel
-        self.experts = Experts(cfg, cfg.num_experts // ep, etp)
+        self.experts = Experts(cfg, cfg.num_experts // ep, etp, spec.weight_grad)
         for dim, w in enumerate((self.experts.w1, self.experts.w2)):  # w1 column-, w2 row-split under expert TP
             setattr(w, SHARD_ATTR, ShardInfo(dim=0, rank=ep_rank, world=ep, full_size=cfg.num_experts))
             setattr(w, EXPERT_ATTR, True)

@@ -21,7 +21,10 @@ token ids [seq, batch]):
 - core_attention(q, k, v, dropout): [b, heads, s, d] causal attention (views of sequence-first
   [s, b, heads, d] tensors; the output is best written in q's layout, as SDPA does); `dropout` is None
   or the layer's AttentionDropout (dropout.py: masks drawn by global sample, head and position).
-- norm(dim): a norm module.
+- norm(dim, kind, eps): a norm module.
+- weight_grad: None, or the hook (lean.WeightGrad) through which the norms and the routed experts' GEMMs hand
+  over their weights' gradients in backward, so that tricorn.parallel can defer them to a zero-bubble W
+  (tricorn/parallel/wgrad.py's `defer`); None computes them in the backward.
 - dropout_seed, tp_rank, sequence_shard_rank: what dropout.py needs to draw the same mask as one
   process would: the run seed, where this rank's heads start, which sequence shard it holds.
 
@@ -30,6 +33,7 @@ No collectives here; memory effect: none.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
@@ -40,7 +44,7 @@ from torch import nn
 
 from tricorn.model.dropout import AttentionDropout, attention_with_dropout
 from tricorn.model.layers import LayerNorm, RMSNorm
-from tricorn.model.lean import cross_entropy
+from tricorn.model.lean import WeightGrad, cross_entropy
 
 
 class Linear(nn.Linear):
@@ -89,6 +93,7 @@ class LayerSpec:
     cross_entropy: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = masked_cross_entropy
     core_attention: Callable[..., torch.Tensor] = sdpa_causal
     norm: Callable[[int, str, float], nn.Module] = field(default=None)  # type: ignore[assignment]
+    weight_grad: Optional[WeightGrad] = None  # the norms' (when `norm` is left default) and the experts' hook
     # Layout-independent dropout (dropout.py): the run seed, this rank's TP rank (its heads start at
     # tp_rank x local heads) and which of the `sequence_shards` sequence pieces it holds.
     dropout_seed: int = 0
@@ -116,11 +121,11 @@ class LayerSpec:
 
     def __post_init__(self) -> None:
         if self.norm is None:
-            self.norm = make_norm
+            self.norm = functools.partial(make_norm, weight_grad=self.weight_grad)
 
 
-def make_norm(dim: int, kind: str, eps: float) -> nn.Module:
-    return RMSNorm(dim, eps) if kind == "RMSNorm" else LayerNorm(dim, eps)
+def make_norm(dim: int, kind: str, eps: float, weight_grad: Optional[WeightGrad] = None) -> nn.Module:
+    return (RMSNorm if kind == "RMSNorm" else LayerNorm)(dim, eps, weight_grad)
 
 
 def local_spec() -> LayerSpec:

@@ -385,8 +385,8 @@ class DataParallel:
         bucket, slot = self.slot_of[id(p)]
         grad = p.grad
         if grad is None:
-            # torch runs the hook also when a backward gives the parameter no gradient: a linear's weight whose
-            # gradient a zero-bubble W computes later (wgrad.py). The W's own backward delivers it here.
+            # torch runs the hook also when a backward gives the parameter no gradient: a weight (a linear's, a norm's,
+            # the experts') whose gradient a zero-bubble W computes later (wgrad.py). The W's own backward delivers it here.
             return
         if self.inject_inf:
             grad.view(-1)[0] = float("inf")

@@ -408,7 +408,7 @@ def tensor_parallel_spec(cfg: Config, tp_group: dist.ProcessGroup) -> LayerSpec:
     common = dict(group=tp_group, sequence_parallel=sp)
 
     def norm(dim: int, kind: str, eps: float) -> nn.Module:
-        module = make_norm(dim, kind, eps)
+        module = make_norm(dim, kind, eps, wgrad.defer)
         return mark_sequence_parallel(module) if sp else module
 
     return LayerSpec(
@@ -419,6 +419,8 @@ def tensor_parallel_spec(cfg: Config, tp_group: dist.ProcessGroup) -> LayerSpec:
         output_head=functools.partial(ParallelHead, **common, vocab_size=vocab),
         cross_entropy=lambda logits, labels, v: vocab_parallel_cross_entropy(logits, labels, v, tp_group),
         norm=norm,
+        # The norms' and the routed experts' weight gradients: to a zero-bubble W while one is open (wgrad.py).
+        weight_grad=wgrad.defer,
         sequence_shards=tp_size if sp else 1,
         # Dropout masks are drawn by global sample, head and position (model/dropout.py), so every TP
         # rank drops exactly what one process would: it only needs to know where its slice sits.

@@ -491,14 +491,16 @@ def other_saved_bytes(model: ModelConfig, layout: Layout, stage: int, profile: A
     return total
 
 
-def moe_backward_workspace(model: ModelConfig, layout: Layout) -> float:
+def moe_backward_workspace(model: ModelConfig, layout: Layout, deferred: bool = False) -> float:
     """What an MoE layer's backward holds beyond its saved tensors, at its largest, for the C copies of one
     microbatch (``moe_copies``): in the experts' activation backward its incoming gradient, input gradient and
     SwiGLU's sigmoid less the saved output already released (lean.swiglu: e*C*3f; GeLU e*C*2f), or in the up
     projection's backward the stacked weight gradient of the rank's E/EP experts (until the DP hook takes it)
     and the input gradient (e*C*h). 0 for a dense model (its MLP's is T/C x TP times smaller, within the
     estimate's bound). Under SP the copies are those of the rank's sequence shard (at ETP = TP of all the shards,
-    through f / ETP of each expert)."""
+    through f / ETP of each expert). ``deferred``: a zero-bubble B whose loop of expert GEMMs leaves the weight
+    gradients to the W (planning/zero_bubble_memory.py): the saved output stays (the W's input, e*C*f more) and no
+    stacked weight gradient is built."""
     if model.num_experts is None:
         return 0.0
     shards = layout.tp if layout.sequence_parallel else 1
@@ -506,8 +508,10 @@ def moe_backward_workspace(model: ModelConfig, layout: Layout) -> float:
     e, f, h = activation_element_bytes(layout.precision), model.moe_ffn_size // layout.etp, model.hidden_size
     copies = moe_copies(model, tokens) * (shards if layout.etp > 1 else 1)
     up = f * (2 if model.swiglu else 1)
-    activation = e * copies * f * (3 if model.swiglu else 2)
+    activation = e * copies * f * ((3 if model.swiglu else 2) + (1 if deferred else 0))
     weight_grad = e * model.num_experts // layout.ep * up * h + e * copies * h  # 16-bit runs: 16-bit parameters
+    if deferred:
+        return activation
     return max(activation, weight_grad)
 
 

@@ -54,7 +54,7 @@ from tricorn.planning.activations import (  # noqa: F401 - re-exported: the esti
 from tricorn.planning.context_comm import cp_transient_bytes
 from tricorn.planning.fp8_terms import fp8_terms
 from tricorn.planning.layout import Layout
-from tricorn.planning.zero_bubble_memory import zero_bubble_activation_peak
+from tricorn.planning.zero_bubble_memory import experts_defer, zero_bubble_activation_peak
 
 GiB = 1024**3
 CUDA_OVERHEAD_BYTES = 1 * GiB
@@ -444,18 +444,21 @@ def estimate(
         n_experts = stage_expert_params_per_rank(model, layout, n_layers)
         # The distributed optimizer shards the routed experts over expert-DP (DP x CP / EP), the rest over DP x CP.
         state = state_of(n_params - n_experts, shard) + state_of(n_experts, shard // layout.ep)
-        if layout.pp > 1 and layout.schedule in ZERO_BUBBLE:  # the rank's own order of F, B and W decides
-            zb = zero_bubble_activation_peak(model, layout, stage, n_layers, profile, sum(layers[:stage]))
+        # The stage's first MoE layer backward: its workspace, where the last stage's loss part is released.
+        # Likewise a layer's CP attention buffers in flight (context_comm.py: K/V pairs, fp32 accumulators).
+        zero_bubble = layout.pp > 1 and layout.schedule in ZERO_BUBBLE
+        moe = moe_backward_workspace(model, layout, deferred=zero_bubble and experts_defer(layout))
+        workspace = max(moe, cp_transient_bytes(model, layout))
+        if zero_bubble:  # the rank's own order of F, B and W decides
+            # The workspace rides on a B, beside the stores the walk holds then (the loss part went at F's end).
+            zb = zero_bubble_activation_peak(model, layout, stage, n_layers, profile, sum(layers[:stage]), workspace)
             activations, logits = zb.activations - zb.loss_part, zb.loss_part
         else:
             activations = stage_activation_bytes(model, layout, stage, n_layers, profile)
             logits = embedding_logits_bytes(model, layout, stage, profile)
+            activations += max(0.0, workspace - loss_part_bytes(model, layout, stage, profile))
         fp8 = fp8_terms(model, layout, n_layers, microbatches_in_flight(layout, stage))
         activations += fp8.activation_delta * n_layers * microbatches_in_flight(layout, stage)
-        # The stage's first MoE layer backward: its workspace, where the last stage's loss part is released.
-        # Likewise a layer's CP attention buffers in flight (context_comm.py: K/V pairs, fp32 accumulators).
-        workspace = max(moe_backward_workspace(model, layout), cp_transient_bytes(model, layout))
-        activations += max(0.0, workspace - loss_part_bytes(model, layout, stage, profile))
         buffers = _forward_peak_buffers(model, layout, stage, n_layers)
         backward = zero_backward_peak(model, layout, stage, n_layers, n_params, profile)
         if backward is not None and backward[0] + backward[1].total > activations + logits + buffers.total:

@@ -3,7 +3,7 @@
 A zero-bubble rank holds a microbatch's chunk in two forms (tricorn/parallel/wgrad.py, pipeline/executor.py):
 
 * from its ``F`` to its ``B``: the chunk's saved activations, as in any schedule (activations.py);
-* from its ``B`` to its ``W``: the weight-gradient store, every deferred linear's input and output gradient
+* from its ``B`` to its ``W``: the weight-gradient store, what every deferred weight gradient's thunk holds
   (``weight_grad_store_bytes``). The rest of the graph is freed at ``B``.
 
 Per layer, one microbatch of T tokens on this rank (T = seq / CP x micro batch: the whole sequence, since
@@ -11,22 +11,29 @@ under sequence parallelism the column-parallel inputs are the all-gathered ones 
 gradients are all-gathered too), hidden h, query width q = a d, key/value width g d, MLP width f, TP t,
 element size e:
 
-    linear   input kept         output gradient kept
-    QKV      e T h              e T (q + 2 g d) / t
-    wo       e T q / t          e T h
-    w1       e T h              e T f (2 with SwiGLU) / t
-    w2       e T f / t          e T h
+    deferred            input kept          output gradient kept
+    QKV                 e T h               e T (q + 2 g d) / t
+    wo                  e T q / t           e T h
+    w1                  e T h               e T f (2 with SwiGLU) / t
+    w2                  e T f / t           e T h
+    each of two norms   4 T h / t under SP (T h without): the fp32 product of output gradient and normalised input
 
-and the head, on the chunk that holds it, e T h + e T V / t (its logit gradient). An MoE layer's routed experts
-and router compute their weight gradients in ``B``, so its MLP rows are the shared expert's (width of the
-shared expert) or none. Without SP the inputs are the same sizes (the norm outputs) and so are the gradients.
-For llama3-70b at TP 4 that is 1.7 x the layer's saved activations: the store is what a deferred W costs.
+and the head, on the chunk that holds it, e T h + e T V / t (its logit gradient), with the final norm. An MoE
+layer's MLP rows are the shared expert's (a dense MLP of its width) and the routed experts' loop of GEMMs: w1 and
+w2 as above over the layer's C token copies (activations.moe_copies; f the expert width / ETP), for the rank's
+E/EP experts; its router computes its weight gradient in ``B``. Without SP the inputs are the same sizes (the
+norm outputs) and so are the gradients. Where torch's fused kernels run instead (``norms_defer``,
+``experts_defer``: eager CUDA norms, CUDA bf16 experts' grouped matmul) those weight gradients are computed in
+``B`` and their rows drop out. For llama3-70b at TP 4 the linears' rows are 1.7 x the layer's saved activations
+(482 MB against 281 MB per microbatch) and the CPU's norms add 67 MB: the store is what a deferred W costs.
 
 The walk (``zero_bubble_activation_peak``): over the rank's compute actions, F adds the chunk's activations
 (on the head's chunk with the loss part of activations.py, live until the backward starts), a B swaps them
-for the store (under full recompute one group is rebuilt meanwhile; on the first stage it ends in the
-embedding's backward, activations.embedding_backward_bytes), a W releases the store; a W computes
-one weight gradient at a time and drops each linear's pair as soon as it is handed over (wgrad.py), so it
+for the store (under full recompute one group is rebuilt meanwhile; a layer's backward transient - an MoE
+layer's workspace, activations.moe_backward_workspace, which with deferred experts keeps the SwiGLU output their W
+needs and builds no stacked weight gradient - rides on it; on the first stage it ends in the embedding's
+backward, activations.embedding_backward_bytes), a W releases the store; a W computes
+one weight gradient at a time and drops each thunk's tensors as soon as it is handed over (wgrad.py), so it
 peaks at what is still queued plus the gradient in hand. The rank's peak is the largest of these moments -
 what the schedule's real order of F, B and W holds, not a count of microbatches.
 
@@ -45,48 +52,89 @@ from tricorn.planning.activations import (
     activation_element_bytes,
     embedding_backward_bytes,
     loss_part_bytes,
+    moe_copies,
     stage_activation_bytes,
 )
 from tricorn.planning.layout import Layout
 
 
 @dataclass(frozen=True)
-class DeferredLinear:
-    """One linear whose weight gradient waits for the W, per token of a microbatch on this rank (elements)."""
+class Deferred:
+    """One weight gradient that waits for the W: the bytes its B queues for one microbatch, and the elements of the
+    gradient its W computes."""
 
-    input_per_token: float
-    grad_per_token: float
+    held: float
     weight_elements: float
 
 
-def _mlp_linears(h: int, f: int, swiglu: bool, tp: int) -> list[DeferredLinear]:
+def _linear(e: float, tokens: float, inp: float, grad: float, weight: float) -> Deferred:
+    """A linear (or a loop of expert GEMMs) of ``tokens`` rows: its input and output gradient, e bytes each."""
+    return Deferred(e * tokens * (inp + grad), weight)
+
+
+def _mlp(e: float, tokens: float, h: int, f: int, swiglu: bool, tp: int) -> list[Deferred]:
     up = f * (2 if swiglu else 1)
-    return [DeferredLinear(f / tp, h, h * f / tp), DeferredLinear(h, up / tp, up / tp * h)]  # w2, then w1
+    return [_linear(e, tokens, f / tp, h, h * f / tp), _linear(e, tokens, h, up / tp, up / tp * h)]  # w2, then w1
 
 
-def layer_deferred_linears(model: ModelConfig, layer_id: int, tp: int) -> list[DeferredLinear]:
-    """The deferred linears of layer ``layer_id`` in the order its B queues them (backward order)."""
+def norms_defer(layout: Layout) -> bool:
+    """The norms run lean._Norm, whose weight gradient can wait for the W: everywhere but eager CUDA (torch's fused
+    kernels compute theirs in B) and compiled layers (a traced backward calls no hook)."""
+    return layout.device != "cuda" and not layout.compiled
+
+
+def experts_defer(layout: Layout) -> bool:
+    """The routed experts run the loop of GEMMs (model/moe.py), whose weight gradients can wait for the W, unless
+    torch's grouped matmul runs them: on CUDA in bf16 (taken to be a GPU that has its kernel: moe.grouped_mm_fast)."""
+    return not (layout.device == "cuda" and layout.precision == "bf16") and not layout.compiled
+
+
+def _norm(model: ModelConfig, layout: Layout, tokens: float) -> Deferred:
+    """A norm: the fp32 product of its output gradient and normalised input (lean._Norm), over its tokens (under
+    SP the sequence shard)."""
+    shards = layout.tp if layout.sequence_parallel else 1
+    return Deferred(4 * tokens / shards * model.hidden_size, model.hidden_size)
+
+
+def _routed_experts(model: ModelConfig, layout: Layout, e: float, tokens: float) -> list[Deferred]:
+    """The loop of expert GEMMs of one MoE layer: w2 then w1 over the layer's token copies (those of the rank's
+    sequence shard under SP, of every shard at expert TP: as moe_backward_workspace), the rank's E/EP experts."""
+    shards = layout.tp if layout.sequence_parallel else 1
+    copies = moe_copies(model, int(tokens) // shards) * (shards if layout.etp > 1 else 1)
+    per_expert = _mlp(e, copies, model.hidden_size, model.moe_ffn_size, model.swiglu, layout.etp)
+    local = model.num_experts // layout.ep
+    return [Deferred(d.held, d.weight_elements * local) for d in per_expert]
+
+
+def layer_deferred(model: ModelConfig, layout: Layout, layer_id: int) -> list[Deferred]:
+    """The deferred weight gradients of layer ``layer_id`` in the order its B queues them (backward order)."""
+    e, tokens, tp = activation_element_bytes(layout.precision), _tokens(model, layout), layout.tp
     h, q, gd = model.hidden_size, model.num_attention_heads * model.head_dim, model.kv_heads * model.head_dim
     if not model.is_moe_layer(layer_id):
-        mlp = _mlp_linears(h, model.ffn_size, model.swiglu, tp)
-    else:  # routed experts and the router: weight gradients in B; the shared expert is a dense MLP of its width
+        mlp = _mlp(e, tokens, h, model.ffn_size, model.swiglu, tp)
+    else:  # the router's weight gradient is computed in B; the shared expert is a dense MLP of its width
         shared = model.moe_shared_expert_intermediate_size
-        mlp = _mlp_linears(h, shared, model.swiglu, tp) if shared else []
-    attention = [DeferredLinear(q / tp, h, h * q / tp), DeferredLinear(h, (q + 2 * gd) / tp, (q + 2 * gd) / tp * h)]
-    return mlp + attention
+        mlp = _mlp(e, tokens, h, shared, model.swiglu, tp) if shared else []
+        mlp += _routed_experts(model, layout, e, tokens) if experts_defer(layout) else []
+    attention = [_linear(e, tokens, q / tp, h, h * q / tp), _linear(e, tokens, h, (q + 2 * gd) / tp, (q + 2 * gd) / tp * h)]
+    norm = [_norm(model, layout, tokens)] if norms_defer(layout) else []
+    return mlp + norm + attention + norm
 
 
-def _chunk_queue(model: ModelConfig, layout: Layout, layer_ids: range, head: bool) -> list[DeferredLinear]:
-    """What a chunk's B queues, in order: the head first (the backward starts there), then the layers downwards."""
+def _chunk_queue(model: ModelConfig, layout: Layout, layer_ids: range, head: bool) -> list[Deferred]:
+    """What a chunk's B queues, in order: the head and the final norm first (the backward starts there), then the
+    layers downwards."""
     queue = []
     if head:
         h, vocab = model.hidden_size, model.padded_vocab_size(layout.tp)
-        queue.append(DeferredLinear(h, vocab / layout.tp, vocab / layout.tp * h))
-    kinds: dict[bool, list[DeferredLinear]] = {}  # a dense layer's linears, an MoE layer's
+        e, tokens = activation_element_bytes(layout.precision), _tokens(model, layout)
+        queue.append(_linear(e, tokens, h, vocab / layout.tp, vocab / layout.tp * h))
+        queue += [_norm(model, layout, tokens)] if norms_defer(layout) else []
+    kinds: dict[bool, list[Deferred]] = {}  # a dense layer's, an MoE layer's
     for layer_id in reversed(layer_ids):
         moe = model.is_moe_layer(layer_id)
         if moe not in kinds:
-            kinds[moe] = layer_deferred_linears(model, layer_id, layout.tp)
+            kinds[moe] = layer_deferred(model, layout, layer_id)
         queue += kinds[moe]
     return queue
 
@@ -100,11 +148,11 @@ def weight_grad_store_bytes(model: ModelConfig, layout: Layout, layer_ids: range
     its W (module docstring), and at its highest what its W holds beyond that store - the weight gradient in
     hand less the pairs already consumed (the W runs the queue in order and drops each pair once its gradient
     is handed over)."""
-    e, tokens = activation_element_bytes(layout.precision), _tokens(model, layout)
+    e = activation_element_bytes(layout.precision)
     freed, excess = 0.0, 0.0
     for d in _chunk_queue(model, layout, layer_ids, head):
         excess = max(excess, e * d.weight_elements - freed)
-        freed += e * tokens * (d.input_per_token + d.grad_per_token)
+        freed += d.held
     return freed, excess
 
 
@@ -134,11 +182,19 @@ class ZeroBubblePeak:
 
 
 def zero_bubble_activation_peak(
-    model: ModelConfig, layout: Layout, stage: int, layers: int, profile: ActivationProfile, first_layer: int = 0
+    model: ModelConfig,
+    layout: Layout,
+    stage: int,
+    layers: int,
+    profile: ActivationProfile,
+    first_layer: int = 0,
+    backward_transient: float = 0.0,
 ) -> ZeroBubblePeak:
     """The highest activation bytes of pipeline rank ``stage`` (``layers`` transformer layers from global layer
     ``first_layer`` on the loop placement; on the v placement two chunks of ``layers / 2`` placed by their
-    virtual stage), walking the rank's action list (module docstring)."""
+    virtual stage), walking the rank's action list (module docstring). ``backward_transient``: what a layer's
+    backward holds beyond its saved tensors (an MoE layer's workspace, CP's buffers), counted at each B beside
+    the stores held then."""
     from tricorn.parallel.pipeline.actions import V, is_first_stage, is_last_stage, virtual_stage
     from tricorn.parallel.pipeline.schedules import placement_of
 
@@ -157,8 +213,10 @@ def zero_bubble_activation_peak(
         start = virtual_stage(stage, c, layout.pp, placement) * per_chunk if placement == V else first_layer
         ids_c = range(start, start + per_chunk)  # which layers: MoE layers have fewer deferred linears
         held.append(chunk_held + (ids if is_first_stage(stage, c) else 0.0))
-        # Under full recompute one group is rebuilt during the B; on the first stage the B ends in the embedding's.
-        rebuilt.append(max(rebuild, embedding_backward_bytes(model, layout) if is_first_stage(stage, c) else 0.0))
+        # Under full recompute one group is rebuilt during the B (with a layer's transient); on the first stage
+        # the B ends in the embedding's.
+        embedding = embedding_backward_bytes(model, layout) if is_first_stage(stage, c) else 0.0
+        rebuilt.append(max(rebuild + backward_transient, embedding))
         kept, extra = weight_grad_store_bytes(model, layout, ids_c, head)
         store.append(kept)
         excess.append(extra)

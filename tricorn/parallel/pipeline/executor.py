@@ -18,8 +18,8 @@ It walks the rank's action list step by step (``schedules.group_steps``):
 * WEIGHT m,c (zero-bubble schedules): the weight gradients that the B of (m, c) left in the
   iteration's ``wgrad.WeightGradStore``, inside ``ctx.optimizer.microbatch(is_last=<last W
   of chunk c>, chunk=c)``. A B that has a W runs inside ``microbatch(is_last=False)`` and
-  ``store.backward_input((m, c))``: the linears queue their weight gradients instead of
-  computing them. The last W of a chunk comes after its last B, so the chunk's DP buckets
+  ``store.backward_input((m, c))``: the linears, the norms and the experts' loop of GEMMs queue
+  their weight gradients instead of computing them. The last W of a chunk comes after its last B, so the chunk's DP buckets
   start their reduction only once every gradient is in.
 * On the v placement (zbv, dualpipev) the edge between the two chunks of rank pp-1 is local:
   chunk 0's output becomes chunk 1's input (a leaf of the same storage) and chunk 1's input
