@@ -13,7 +13,6 @@ guard's device ops alone, timed over many calls. Print os.getloadavg() with the 
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
@@ -22,13 +21,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from tiny_trainer import parser, tiny_trainer  # noqa: E402
 
-from tricorn.config import config_from_args  # noqa: E402
-from tricorn.parallel.state import destroy_parallel, init_parallel  # noqa: E402
-from tricorn.training.logging import MetricsLogger  # noqa: E402
-from tricorn.training.main import build_trainer  # noqa: E402
+from tricorn.parallel.state import destroy_parallel  # noqa: E402
 from tricorn.training.spikes import SpikeGuard  # noqa: E402
 from tricorn.training.stragglers import StragglerMonitor  # noqa: E402
 
@@ -46,24 +44,8 @@ def veto_seconds(device: torch.device, n: int = 20_000) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--block", type=int, default=2, help="iterations per setting per round")
-    args = ap.parse_args()
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29519")):
-        os.environ.setdefault(key, value)
-    total = 1 + 4 * args.rounds * args.block + 1
-    argv = (
-        f"--device cpu --mock-data --num-layers {args.layers} --hidden-size {args.hidden} --num-attention-heads 8 "
-        f"--seq-length {args.seq} --micro-batch-size 4 --global-batch-size 8 --train-iters {total} "
-        f"--vocab-size 8000 --swiglu --disable-bias-linear --lr 1e-4"
-    ).split()
-    cfg = config_from_args(argv, world_size=1)
-    state = init_parallel(cfg)
-    trainer = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)  # logger writes nothing
+    args = parser(__doc__.split("\n")[0], rounds=30, block=2).parse_args()
+    state, trainer = tiny_trainer(args, settings=4, port=29519)
     guard, monitor = SpikeGuard(10.0, 10, state.device), StragglerMonitor(1.2, state)
     settings = {"off": (None, None), "spikes": (guard, None), "stragglers": (None, monitor), "both": (guard, monitor)}
     trainer.run_iteration()  # warm-up

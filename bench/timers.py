@@ -19,8 +19,6 @@ small all-reduce per log interval, which this benchmark does not log (and on CUD
 
 from __future__ import annotations
 
-import argparse
-import os
 import random
 import statistics
 import sys
@@ -28,12 +26,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tricorn.config import config_from_args  # noqa: E402
-from tricorn.parallel.state import destroy_parallel, init_parallel  # noqa: E402
+from tiny_trainer import parser, tiny_trainer  # noqa: E402
+
+from tricorn.parallel.state import destroy_parallel  # noqa: E402
 from tricorn.timers import OPTIMIZER_STEP, Timers  # noqa: E402
-from tricorn.training.logging import MetricsLogger  # noqa: E402
-from tricorn.training.main import build_trainer  # noqa: E402
 
 
 class CountingTimers(Timers):
@@ -64,24 +62,8 @@ def per_call_seconds(timers: Timers, n: int = 200_000) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--block", type=int, default=1, help="iterations per setting per round")
-    args = ap.parse_args()
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517")):
-        os.environ.setdefault(key, value)
-    total = 1 + 4 * args.rounds * args.block + 1
-    argv = (
-        f"--device cpu --mock-data --num-layers {args.layers} --hidden-size {args.hidden} --num-attention-heads 8 "
-        f"--seq-length {args.seq} --micro-batch-size 4 --global-batch-size 8 --train-iters {total} "
-        f"--vocab-size 8000 --swiglu --disable-bias-linear --lr 1e-4"
-    ).split()
-    cfg = config_from_args(argv, world_size=1)
-    state = init_parallel(cfg)
-    trainer = build_trainer(cfg, state, MetricsLogger(cfg, rank=1), with_validation=False)  # logger writes nothing
+    args = parser(__doc__.split("\n")[0], rounds=40, block=1).parse_args()
+    state, trainer = tiny_trainer(args, settings=4, port=29517)
     settings = {
         "disabled": Timers.disabled(),
         "level 0": Timers(0, state.device),
