@@ -19,14 +19,13 @@ Not a test: CI never times anything. The directory (default ./bench_hf_tmp) is d
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
-import time
 from pathlib import Path
 
 import torch
+from convert_model import model_config, parser, timed
 from safetensors.torch import load_file, save_file
 
 from tricorn.checkpoint.interop.hf import export_hf, fsync_file, import_hf
@@ -51,37 +50,12 @@ def plain_load(path: Path) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in load_file(str(path)).items()}
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--ffn", type=int, default=2816)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap = parser(__doc__.splitlines()[0], "bench_hf_tmp")
     ap.add_argument("--bf16", action="store_true")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--dir", type=Path, default=Path("bench_hf_tmp"))
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    m = ModelConfig(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        ffn_hidden_size=args.ffn,
-        num_attention_heads=args.heads,
-        num_query_groups=args.kv_heads,
-        group_query_attention=args.kv_heads != args.heads,
-        swiglu=True,
-        disable_bias_linear=True,
-        untie_embeddings_and_output_weights=True,
-        vocab_size=args.vocab,
-    )
+    m = model_config(args)
     root = args.dir
     shutil.rmtree(root, ignore_errors=True)
     (root / "hf").mkdir(parents=True)

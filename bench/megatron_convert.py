@@ -18,28 +18,21 @@ is deleted afterwards.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from convert_model import model_config, parser, timed
 
 from tricorn.checkpoint import io
 from tricorn.checkpoint.interop.convert import import_meta, quiet_no_dist, write_checkpoint
 from tricorn.checkpoint.interop.megatron import import_megatron
 from tricorn.checkpoint.interop.megatron_export import export_megatron
 from tricorn.checkpoint.interop.megatron_mapping import tensor_map, tricorn_shape
-from tricorn.config import Config, ModelConfig, dump_yaml
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+from tricorn.config import Config, dump_yaml
 
 
 def plain_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -53,29 +46,10 @@ def plain_load(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--ffn", type=int, default=2816)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap = parser(__doc__.splitlines()[0], "bench_megatron_tmp")
     ap.add_argument("--format", choices=["torch_dist", "torch"], default="torch_dist")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--dir", type=Path, default=Path("bench_megatron_tmp"))
     args = ap.parse_args()
-    m = ModelConfig(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        ffn_hidden_size=args.ffn,
-        num_attention_heads=args.heads,
-        num_query_groups=args.kv_heads,
-        group_query_attention=args.kv_heads != args.heads,
-        swiglu=True,
-        disable_bias_linear=True,
-        untie_embeddings_and_output_weights=True,
-        vocab_size=args.vocab,
-    )
+    m = model_config(args)
     gen = torch.Generator().manual_seed(0)
     tensors = {f"model.{e.name}": torch.randn(tricorn_shape(e, m), generator=gen) for e in tensor_map(m)}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
