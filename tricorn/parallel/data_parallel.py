@@ -123,6 +123,12 @@ class Slot:
         return self.offset + self.numel
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a starts where b does in the same storage. Compared by storage identity and offset, not by
+    data_ptr(): a fake tensor (tricorn simulate) has no data pointer to read (torch warns, and will refuse)."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
+
+
 class Bucket:
     """A contiguous run of parameters of one dtype whose gradients are reduced together."""
 
@@ -195,7 +201,7 @@ class Bucket:
         if id(slot.param) not in self.written:
             dst.copy_(grad.reshape(-1))
             self.written.add(id(slot.param))
-        elif grad.data_ptr() != dst.data_ptr():
+        elif not _same_memory(grad, dst):
             dst.add_(grad.reshape(-1))
         return dst
 
