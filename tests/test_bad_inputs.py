@@ -12,7 +12,6 @@ import os
 import pickle
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -179,10 +178,14 @@ def test_srun_prints_once_and_the_others_wait(tmp_path, monkeypatch, task):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("SLURM_PROCID", task)
     monkeypatch.setenv("SLURM_NTASKS", "2")
-    slept, real_sleep, main_thread = [], time.sleep, threading.get_ident()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # sbatch's export: no `scontrol show hostnames` to run
+    slept, real_sleep = [], time.sleep
 
-    def sleep(seconds: float) -> None:  # this thread's sleeps; a thread an earlier test left behind sleeps for real
-        slept.append(seconds) if threading.get_ident() == main_thread else real_sleep(seconds)
+    def sleep(seconds: float) -> None:
+        # The head start of launch_errors.fail only: time.sleep is patched for the whole process, and other code
+        # sleeps too (subprocess's wait backoff in this thread, threads an earlier test left behind).
+        called_from_fail = sys._getframe(1).f_globals.get("__name__") == launch_errors.__name__
+        slept.append(seconds) if called_from_fail else real_sleep(seconds)
 
     monkeypatch.setattr(launch_errors.time, "sleep", sleep)
     code, stderr = run_main(BASE_FLAGS + ["--tensor-model-parallel-size", "0"], tmp_path)
