@@ -4,6 +4,7 @@ their Llama-shaped model (SwiGLU, GQA, untied, no biases), its ModelConfig, and 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -42,3 +43,15 @@ def timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def report(times: dict[str, list[float]], nbytes: int, header: str) -> None:
+    """Median GB/s of each phase over the rounds, and import / export against a plain save + load."""
+    median = {k: statistics.median(v) for k, v in times.items()}
+    print(header)
+    for k, s in median.items():
+        print(f"  {k:<11} {nbytes / s / 1e9:7.2f} GB/s  ({s:.2f} s)")
+    plain_copy = median["plain save"] + median["plain load"]
+    print(f"  plain save+load {nbytes / plain_copy / 1e9:.2f} GB/s")
+    for k in ("import", "export"):
+        print(f"ratio {k} / plain save+load throughput: {plain_copy / median[k]:.2f}")

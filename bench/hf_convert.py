@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import statistics
 from pathlib import Path
 
 import torch
-from convert_model import model_config, parser, timed
+from convert_model import model_config, parser, report, timed
 from safetensors.torch import load_file, save_file
 
 from tricorn.checkpoint.interop.hf import export_hf, fsync_file, import_hf
@@ -77,16 +76,8 @@ def main() -> None:
             shutil.rmtree(out)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    median = {k: statistics.median(v) for k, v in times.items()}
-    print(
-        f"model: {len(tensors)} tensors, {nbytes / 1e9:.2f} GB ({'bf16' if args.bf16 else 'fp32'}), median of {args.rounds} rounds"
-    )
-    for k, s in median.items():
-        print(f"  {k:<11} {nbytes / s / 1e9:7.2f} GB/s  ({s:.2f} s)")
-    plain_copy = median["plain save"] + median["plain load"]
-    print(f"  plain save+load {nbytes / plain_copy / 1e9:.2f} GB/s")
-    for k in ("import", "export"):
-        print(f"ratio {k} / plain save+load throughput: {plain_copy / median[k]:.2f}")
+    header = f"model: {len(tensors)} tensors, {nbytes / 1e9:.2f} GB ({'bf16' if args.bf16 else 'fp32'}), median of {args.rounds} rounds"
+    report(times, nbytes, header)
 
 
 if __name__ == "__main__":

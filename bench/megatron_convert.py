@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from convert_model import model_config, parser, timed
+from convert_model import model_config, parser, report, timed
 
 from tricorn.checkpoint import io
 from tricorn.checkpoint.interop.convert import import_meta, quiet_no_dist, write_checkpoint
@@ -73,14 +72,8 @@ def main() -> None:
             shutil.rmtree(back)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    median = {k: statistics.median(v) for k, v in times.items()}
-    print(f"model: {len(tensors)} tensors, {nbytes / 1e9:.2f} GB fp32, Megatron {args.format}, median of {args.rounds} rounds")
-    for k, s in median.items():
-        print(f"  {k:<11} {nbytes / s / 1e9:7.2f} GB/s  ({s:.2f} s)")
-    plain_copy = median["plain save"] + median["plain load"]
-    print(f"  plain save+load {nbytes / plain_copy / 1e9:.2f} GB/s")
-    for k in ("import", "export"):
-        print(f"ratio {k} / plain save+load throughput: {plain_copy / median[k]:.2f}")
+    header = f"model: {len(tensors)} tensors, {nbytes / 1e9:.2f} GB fp32, Megatron {args.format}, median of {args.rounds} rounds"
+    report(times, nbytes, header)
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (shared machine)")
 
 
