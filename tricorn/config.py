@@ -1,9 +1,9 @@
 """Typed run configuration: one dataclass per section, Megatron-LM flag names.
 
 The dataclasses are the single source of truth. The command line is generated
-from their fields (``--num-layers`` <- ``ModelConfig.num_layers``), a YAML file
-(``--config``) uses the same names grouped by section, and command-line flags
-override the file. ``validate`` checks a config before any process group exists
+from their fields (``--num-layers`` <- ``ModelConfig.num_layers``; built in
+tricorn/config_args.py), a YAML file (``--config``) uses the same names grouped by
+section, and command-line flags override the file. ``validate`` checks a config before any process group exists
 and returns one human sentence per problem; the entry point
 (tricorn.training.main.resolve_config) prints them and exits 2 without a traceback.
 
@@ -12,11 +12,8 @@ No collectives and no device work happen here.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import difflib
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -26,10 +23,6 @@ from tricorn.fields import (
     POSITIVE,
     PROBABILITY,
     Bound,
-    field_kind,
-    flag_of,
-    value_error,
-    yaml_type_error,
 )
 from tricorn.presets import PRESETS  # noqa: F401 - re-exported: the CLI and tests read the presets here
 
@@ -374,174 +367,6 @@ class ConfigError(ValueError):
     """Raised with one line per problem; the CLI prints it and exits 2."""
 
 
-# ---------------------------------------------------------------- argparse
-
-
-def _flag_names() -> dict[str, tuple[str, str]]:
-    """flag dest -> (section, field name)."""
-    out: dict[str, tuple[str, str]] = {}
-    for section, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            out[f.name] = (section, f.name)
-    return out
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are a ConfigError (one `tricorn: error:` line from the entry point, not usage + exit)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise ConfigError(f"{message}; see --help")
-
-
-def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
-    """The command line, generated from the dataclasses (defaults are None so we can tell what was given)."""
-    parser = _Parser(
-        prog=prog, description="tricorn: Megatron-style 3D-parallel GPT pretraining.", argument_default=argparse.SUPPRESS
-    )
-    parser.add_argument(
-        "--config", help="YAML file with sections model/parallel/training/data/checkpoint/logging; flags override it."
-    )
-    parser.add_argument("--model-preset", help=f"Published model shape: {', '.join(PRESETS)}.")
-    parser.add_argument("--device", choices=["cpu", "cuda"], help="Device (default: cuda when available).")
-    parser.add_argument("--dry-run", action="store_true", help="Print the memory estimate and exit without training.")
-    for section, cls in SECTIONS.items():
-        group = parser.add_argument_group(section)
-        for f in dataclasses.fields(cls):
-            flag = flag_of(f)
-            meta = dict(f.metadata)
-            helptext = meta.pop("help")
-            negate = meta.pop("negate", None)
-            meta.pop("bound", None)
-            base, _ = field_kind(f)
-            if base == "bool":
-                if negate:
-                    group.add_argument(negate, dest=f.name, action="store_false", help=helptext + " (on by default)")
-                    group.add_argument(flag, dest=f.name, action="store_true", help=argparse.SUPPRESS)
-                else:
-                    group.add_argument(flag, dest=f.name, action="store_true", help=helptext)
-                continue
-            if "type" not in meta:
-                meta["type"] = {"int": int, "float": float}.get(base, str)
-            if "choices" in meta and meta["type"] is str:
-                meta["choices"] = [str(c) for c in meta["choices"]]
-            group.add_argument(flag, dest=f.name, help=helptext, **meta)
-    return parser
-
-
-def _suggest(key: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(key, options, n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def _apply_yaml(cfg: Config, path: str) -> None:
-    import yaml
-
-    try:
-        with open(path) as fh:
-            data = yaml.safe_load(fh) or {}
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
-    top_keys = list(SECTIONS) + ["device", "model_preset"]
-    errors: list[str] = []
-    for key, value in data.items():
-        if key in ("device", "model_preset"):
-            if value is not None and not isinstance(value, str):
-                errors.append(f"'{key}' in {path} must be a string, got {value!r}")
-            elif key == "device" and value not in (None, "cpu", "cuda"):
-                errors.append(f"'device' in {path} must be cpu or cuda, got {value!r}")
-            else:
-                setattr(cfg, key, value)
-            continue
-        if key not in SECTIONS:
-            raise ConfigError(f"unknown section '{key}' in {path}{_suggest(key, top_keys)}")
-        if not isinstance(value, dict):
-            raise ConfigError(f"section '{key}' in {path} must be a mapping")
-        section = getattr(cfg, key)
-        fields = {f.name: f for f in dataclasses.fields(section)}
-        for k, v in value.items():
-            k2 = str(k).replace("-", "_")
-            if k2 not in fields:
-                raise ConfigError(f"unknown key '{key}.{k}' in {path}{_suggest(k2, list(fields))}")
-            problem = yaml_type_error(fields[k2], v)
-            if problem:
-                errors.append(f"'{key}.{k}' in {path} (the value of {flag_of(fields[k2])}) {problem}")
-            else:
-                is_float = v is not None and field_kind(fields[k2])[0] == "float"  # None: an unset Optional
-                setattr(section, k2, float(v) if is_float else v)
-    if errors:
-        raise ConfigError("; also: ".join(errors))
-
-
-def field_errors(cfg: Config) -> list[str]:
-    """Every field outside its range or type, one sentence each ("--lr must be at least 0, got -0.001").
-
-    The one range check of every value, from the flags, the YAML or code: run by config_from_args before
-    any derived value is computed, and again by validate() for configs built in code.
-    """
-    errors: list[str] = []
-    for section in SECTIONS:
-        obj = getattr(cfg, section)
-        for f in dataclasses.fields(obj):
-            problem = value_error(f, getattr(obj, f.name))
-            if problem:
-                errors.append(f"{flag_of(f)} {problem}")
-    return errors
-
-
-def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> Config:
-    """Defaults <- preset <- YAML <- flags. Raises ConfigError; does not validate."""
-    args = vars(build_parser().parse_args(argv))  # ConfigError on a malformed flag
-    cfg = Config()
-    if "config" in args:
-        _apply_yaml(cfg, args.pop("config"))
-    preset = args.pop("model_preset", None) or cfg.model_preset
-    if preset is not None:
-        if preset not in PRESETS:
-            raise ConfigError(
-                f"unknown --model-preset '{preset}'{_suggest(preset, list(PRESETS))}; choose one of {', '.join(PRESETS)}"
-            )
-        cfg.model_preset = preset
-        # Preset first, then anything the YAML or the flags set explicitly on top.
-        yaml_model = dataclasses.asdict(cfg.model)
-        defaults = dataclasses.asdict(ModelConfig())
-        for k, v in PRESETS[preset].items():
-            if yaml_model[k] == defaults[k]:
-                setattr(cfg.model, k, v)
-    cfg.device = args.pop("device", None) or cfg.device or default_device()
-    if "dry_run" in args:
-        cfg.dry_run = args.pop("dry_run")
-    names = _flag_names()
-    for dest, value in args.items():
-        section, name = names[dest]
-        setattr(getattr(cfg, section), name, value)
-    cfg.world_size = (
-        world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    )
-    errors = field_errors(cfg)
-    if errors:  # before the derived values: they divide by the parallel sizes
-        raise ConfigError("; also: ".join(errors))
-    _resolve_defaults(cfg)
-    return cfg
-
-
-def default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _resolve_defaults(cfg: Config) -> None:
-    t = cfg.training
-    if t.global_batch_size is None and cfg.data_parallel_size > 0:
-        t.global_batch_size = t.micro_batch_size * cfg.data_parallel_size
-    if t.lr_decay_iters is None:
-        t.lr_decay_iters = t.train_iters
-
-
 MIN_BUCKET_ELEMENTS = 1_000_000  # below this a bucket's collective is mostly latency
 
 
@@ -553,8 +378,12 @@ def default_bucket_elements(dp: int, chunk_params: int) -> int:
     return min(max(40_000_000, 1_000_000 * max(dp, 1)), max(MIN_BUCKET_ELEMENTS, -(-chunk_params // 8)))
 
 
-def dump_yaml(cfg: Config) -> str:
-    import yaml
-
-    data = {k: v for k, v in cfg.to_dict().items() if k in SECTIONS or k in ("device", "model_preset")}
-    return yaml.safe_dump(data, sort_keys=False)
+# The command line and YAML reading live in tricorn/config_args.py; re-exported here because every caller
+# imports them from tricorn.config. Imported last: config_args needs the dataclasses above.
+from tricorn.config_args import (  # noqa: E402, F401
+    build_parser,
+    config_from_args,
+    default_device,
+    dump_yaml,
+    field_errors,
+)
