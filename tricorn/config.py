@@ -272,6 +272,10 @@ class DataConfig:
     )
     tokenizer_model: Optional[str] = _f(None, "SentencePiece model file.")
     legacy_tokenizer: bool = _f(False, "Legacy Megatron tokenizers: NullTokenizer eod V (vocab V+1), Llama2Tokenizer BOS.")
+    # Documents packed into a sample (megatron-core's GPTDataset; tricorn/data/documents.py, docs/data.md).
+    reset_position_ids: bool = _f(False, "Positions restart at 0 after each end-of-document token (RoPE too).")
+    reset_attention_mask: bool = _f(False, "No token attends to an earlier document of its sample (fused kernels).")
+    eod_mask_loss: bool = _f(False, "A position whose input is the end-of-document token gets no loss.")
     eval_interval: int = _f(1000, "Evaluate on the validation split every N iterations.", bound=AT_LEAST_1)
     eval_iters: int = _f(10, "Validation iterations per evaluation.", bound=NON_NEGATIVE)
     num_workers: int = _f(0, "Data loader worker processes.", bound=NON_NEGATIVE)

@@ -15,6 +15,7 @@ from typing import Optional, Protocol
 
 import torch
 
+from tricorn.data.documents import DocumentFlags, apply_document_flags
 from tricorn.data.skip_samples import SkipList
 from tricorn.pinned import host_side, is_pinned, pin
 
@@ -27,40 +28,59 @@ class Batch:
     # Global index of each row in the sample order (host ints: dropout masks are drawn by them, and
     # reading them never touches the device). None for batches that were not cut from a sample order.
     sample_ids: Optional[tuple[int, ...]] = None
+    # --reset-position-ids: [b, s] int64 position of each input in its document (RoPE and learned positions
+    # read it); None: 0..s-1. Sliced with the tokens (context parallel keeps its chunks' positions).
+    position_ids: Optional[torch.Tensor] = None
+    # --reset-attention-mask: [b, s + 1] int32 where each sample's documents start, then s, padded with s
+    # (tricorn/data/documents.py). Host memory on every device and never sliced by context parallelism: the
+    # attention kernels plan their calls from it on the host (tricorn/model/masking.py) without reading the device.
+    documents: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def slice(self, start: int, stop: int) -> Batch:
         ids = None if self.sample_ids is None else self.sample_ids[start:stop]
-        return Batch(self.tokens[start:stop], self.labels[start:stop], self.loss_mask[start:stop], ids)
+        rows = (self.tokens, self.labels, self.loss_mask, self.position_ids, self.documents)
+        tokens, labels, loss_mask, positions, documents = (None if t is None else t[start:stop] for t in rows)
+        return Batch(tokens, labels, loss_mask, ids, positions, documents)
 
     def to(self, device: torch.device | str, copy: bool = False) -> Batch:
         """On `device`; with copy=True always fresh storage (a microbatch then never keeps its batch alive).
-        From pinned memory the copy is asynchronous (non_blocking): the host does not wait for it."""
-        tensors = (self.tokens, self.labels, self.loss_mask)
-        return Batch(*(t.to(device, copy=copy, non_blocking=is_pinned(t)) for t in tensors), self.sample_ids)
+        From pinned memory the copy is asynchronous (non_blocking): the host does not wait for it.
+        `documents` stays in host memory (it is only read there)."""
+        tensors = (self.tokens, self.labels, self.loss_mask, self.position_ids)
+        moved = [None if t is None else t.to(device, copy=copy, non_blocking=is_pinned(t)) for t in tensors]
+        return Batch(*moved[:3], self.sample_ids, moved[3], self.documents)
 
     def pin(self) -> Batch:
         """In pinned host memory: on CUDA a copy from pageable memory would make the host wait (cudaMemcpy)."""
-        return Batch(pin(self.tokens), pin(self.labels), pin(self.loss_mask), self.sample_ids)
+        positions = None if self.position_ids is None else pin(self.position_ids)
+        return Batch(pin(self.tokens), pin(self.labels), pin(self.loss_mask), self.sample_ids, positions, self.documents)
 
 
-def batch_from_samples(samples: torch.Tensor, pad_id: int = -1, sample_ids: Optional[tuple[int, ...]] = None) -> Batch:
+def batch_from_samples(
+    samples: torch.Tensor,
+    pad_id: int = -1,
+    sample_ids: Optional[tuple[int, ...]] = None,
+    documents: Optional[DocumentFlags] = None,
+) -> Batch:
     """[b, s+1] token samples -> inputs/labels shifted by one.
 
-    As megatron-core's GPTDataset: a position whose label is pad_id is left out
-    of the loss, and pad ids in tokens and labels become 0 (so an id outside
-    the vocabulary still embeds). pad_id < 0: no pad, every position counts.
+    As megatron-core's GPTDataset: --eod-mask-loss, --reset-position-ids and --reset-attention-mask read the
+    inputs' end-of-document tokens (`documents`; tricorn/data/documents.py), then a position whose label is
+    pad_id is left out of the loss, and pad ids in tokens and labels become 0 (so an id outside the
+    vocabulary still embeds). pad_id < 0: no pad, every position counts.
     """
     samples = samples.long()
     tokens, labels = samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
+    position_ids, bounds = apply_document_flags(tokens, loss_mask, documents)
     if pad_id >= 0:
         loss_mask[labels == pad_id] = 0.0
         tokens[tokens == pad_id] = 0
         labels[labels == pad_id] = 0
-    return Batch(tokens, labels, loss_mask, sample_ids)
+    return Batch(tokens, labels, loss_mask, sample_ids, position_ids, bounds)
 
 
 class SampleSource(Protocol):
@@ -91,9 +111,11 @@ class GlobalBatchLoader:
         consumed_samples: int = 0,
         pad_id: int = -1,
         skip: Optional[SkipList] = None,
+        documents: Optional[DocumentFlags] = None,
     ):
         self.source = source
         self.pad_id = pad_id  # labels equal to it are left out of the loss (batch_from_samples)
+        self.documents = documents  # --reset-position-ids / --reset-attention-mask / --eod-mask-loss
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.consumed_samples = consumed_samples
@@ -116,7 +138,7 @@ class GlobalBatchLoader:
         mine = self._take(global_batch_size)
         with host_side():  # host work by design: the samples are read and cut in host memory
             samples = torch.stack([torch.as_tensor(self.source[i % len(self.source)]) for i in mine])
-            batch = batch_from_samples(samples, self.pad_id, tuple(mine))
+            batch = batch_from_samples(samples, self.pad_id, tuple(mine), self.documents)
         return batch.pin() if self.pin_memory else batch
 
     def state_dict(self) -> dict:

@@ -31,11 +31,12 @@ import numpy as np
 from tricorn.data.base import GlobalBatchLoader, MockSamples, SampleSource
 from tricorn.data.blended import SURPLUS, BlendedDataset, blend_sizes
 from tricorn.data.cache import description_key, load_or_build
+from tricorn.data.documents import DocumentFlags
 from tricorn.data.errors import DataError
 from tricorn.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_ranges
 from tricorn.data.indexed import IndexedDataset
 from tricorn.data.skip_samples import read_skip_samples
-from tricorn.data.tokenizer import build_tokenizer, loss_pad_id
+from tricorn.data.tokenizer import NullTokenizer, Tokenizer, build_tokenizer, loss_pad_id
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +181,54 @@ def build_loaders(
         sources = [build_split_source(cfg, i, sizes[i], datasets) for i in range(len(SPLIT_NAMES))]
     assert sources[0] is not None
     pad = -1 if cfg.data.mock_data else loss_pad_id(build_tokenizer(cfg))
-    train = GlobalBatchLoader(sources[0], dp_rank, dp_size, consumed_samples, pad, read_skip_samples(cfg.data.skip_samples))
-    valid = GlobalBatchLoader(sources[1], dp_rank, dp_size, pad_id=pad) if sources[1] is not None else None
-    test = GlobalBatchLoader(sources[2], dp_rank, dp_size, pad_id=pad) if sources[2] is not None else None
+    docs = document_flags(cfg)
+    skip = read_skip_samples(cfg.data.skip_samples)
+    train = GlobalBatchLoader(sources[0], dp_rank, dp_size, consumed_samples, pad, skip, docs)
+    valid = GlobalBatchLoader(sources[1], dp_rank, dp_size, pad_id=pad, documents=docs) if sources[1] is not None else None
+    test = GlobalBatchLoader(sources[2], dp_rank, dp_size, pad_id=pad, documents=docs) if sources[2] is not None else None
     return train, valid, test
+
+
+def document_flags(cfg: Any) -> Optional[DocumentFlags]:
+    """--reset-position-ids / --reset-attention-mask / --eod-mask-loss with the tokenizer's end-of-document id
+    (mock data: the NullTokenizer's of --vocab-size, as megatron-core's mock dataset); None when none is set."""
+    d = cfg.data
+    if not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
+        return None
+    return DocumentFlags(int(_document_tokenizer(cfg).eod), d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+
+
+def _document_tokenizer(cfg: Any) -> Tokenizer:
+    """The tokenizer whose eod the document flags read: mock data's is the NullTokenizer of --vocab-size."""
+    if cfg.data.mock_data:
+        return NullTokenizer(cfg.model.vocab_size, cfg.data.legacy_tokenizer)
+    return build_tokenizer(cfg)
+
+
+def document_flag_errors(cfg: Any) -> list[str]:
+    """One line when a document flag is set but the tokenizer has no end-of-document token to read."""
+    d = cfg.data
+    flags = [f for f, on in DOCUMENT_FLAGS.items() if on(d)]
+    if not flags or (d.mock_data and cfg.model.vocab_size is None):  # validate() names the missing --vocab-size
+        return []
+    try:
+        tokenizer = _document_tokenizer(cfg)
+    except DataError as e:
+        return [str(e)]
+    if int(tokenizer.eod) >= 0:
+        return []
+    source = d.tokenizer_model or tokenizer.name
+    return [
+        f"{' '.join(flags)} read the end-of-document token, but tokenizer {source} has none (no eos piece); "
+        "use a tokenizer with one or drop the flag"
+    ]
+
+
+DOCUMENT_FLAGS = {
+    "--reset-position-ids": lambda d: d.reset_position_ids,
+    "--reset-attention-mask": lambda d: d.reset_attention_mask,
+    "--eod-mask-loss": lambda d: d.eod_mask_loss,
+}
 
 
 def prepare_vocab(cfg: Any) -> list[str]:
@@ -196,7 +241,7 @@ def prepare_vocab(cfg: Any) -> list[str]:
     """
     d, m = cfg.data, cfg.model
     if d.mock_data:
-        return []
+        return document_flag_errors(cfg)
     try:
         tokenizer = build_tokenizer(cfg)
     except DataError as e:
@@ -210,7 +255,7 @@ def prepare_vocab(cfg: Any) -> list[str]:
             f"tokenizer {source} has {tokenizer.vocab_size} tokens but the model's padded vocabulary is {m.padded_vocab_size(tp)} "
             f"(--vocab-size {m.vocab_size}); raise --vocab-size to at least {tokenizer.vocab_size} or leave it out to use the tokenizer's"
         ]
-    return check_data_files(cfg, m.padded_vocab_size(tp))
+    return document_flag_errors(cfg) + check_data_files(cfg, m.padded_vocab_size(tp))
 
 
 def check_data_files(cfg: Any, padded_vocab: int) -> list[str]:

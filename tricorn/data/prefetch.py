@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from tricorn.data.base import Batch, GlobalBatchLoader, SampleSource, batch_from_samples
+from tricorn.data.documents import DocumentFlags
 
 
 class _Samples(Dataset):
@@ -48,12 +49,12 @@ class _RankBatches(Sampler[list[int]]):
 
 
 class _Collate:
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, documents: Optional[DocumentFlags]):
+        self.pad_id, self.documents = pad_id, documents
 
-    def __call__(self, samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b = batch_from_samples(torch.stack(samples), self.pad_id)
-        return b.tokens, b.labels, b.loss_mask
+    def __call__(self, samples: list[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+        b = batch_from_samples(torch.stack(samples), self.pad_id, documents=self.documents)
+        return b.tokens, b.labels, b.loss_mask, b.position_ids, b.documents
 
 
 class PrefetchingBatchLoader(GlobalBatchLoader):
@@ -67,7 +68,7 @@ class PrefetchingBatchLoader(GlobalBatchLoader):
         pin_memory: bool = False,
         prefetch_factor: int = 2,
     ):
-        super().__init__(base.source, base.dp_rank, base.dp_size, base.consumed_samples, base.pad_id, base.skip)
+        super().__init__(base.source, base.dp_rank, base.dp_size, base.consumed_samples, base.pad_id, base.skip, base.documents)
         self.skipped_samples = base.skipped_samples
         self.num_workers, self.batch_size_at = num_workers, batch_size_at
         self.pin_memory, self.prefetch_factor = pin_memory, prefetch_factor
@@ -80,7 +81,7 @@ class PrefetchingBatchLoader(GlobalBatchLoader):
             _Samples(self.source),
             batch_sampler=sampler,
             num_workers=self.num_workers,
-            collate_fn=_Collate(self.pad_id),
+            collate_fn=_Collate(self.pad_id, self.documents),
             pin_memory=self.pin_memory,
             prefetch_factor=self.prefetch_factor,
             persistent_workers=False,
@@ -93,10 +94,10 @@ class PrefetchingBatchLoader(GlobalBatchLoader):
         if self._iter is None or self._iter_at != self.consumed_samples:
             self.close()
             self._start()
-        tokens, labels, loss_mask = next(self._iter)
+        tokens, labels, loss_mask, positions, documents = next(self._iter)
         mine = self._take(global_batch_size)  # the same indices the sampler gave the workers
         self._iter_at = self.consumed_samples
-        return Batch(tokens, labels, loss_mask, tuple(mine))
+        return Batch(tokens, labels, loss_mask, tuple(mine), positions, documents)
 
     def close(self) -> None:
         """Stop the workers (they restart at the next batch)."""
