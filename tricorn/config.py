@@ -23,6 +23,7 @@ from tricorn.fields import (
     POSITIVE,
     PROBABILITY,
     Bound,
+    int_tuple,
 )
 from tricorn.presets import PRESETS  # noqa: F401 - re-exported: the CLI and tests read the presets here
 
@@ -70,6 +71,12 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = _f(False, "Separate output head instead of reusing the embedding.")
     hidden_dropout: float = _f(0.0, "Dropout on the residual branches.", bound=PROBABILITY)
     attention_dropout: float = _f(0.0, "Dropout on the attention probabilities.", bound=PROBABILITY)
+    window_size: Optional[list] = _f(
+        None,
+        "Sliding-window attention LEFT,RIGHT (Megatron's): query i sees keys i-LEFT..i; RIGHT must be 0, LEFT -1 is "
+        "unlimited, LEFT alone means LEFT,0. Hugging Face's sliding_window N is N-1,0.",
+        type=int_tuple,
+    )
     init_method_std: float = _f(0.02, "Std of the normal initialisation.", bound=POSITIVE)
     vocab_size: Optional[int] = _f(
         None, "Vocabulary size (NullTokenizer / mock data; otherwise from the tokenizer).", bound=AT_LEAST_1
@@ -104,6 +111,13 @@ class ModelConfig:
         None, "Drop token copies beyond ceil(tokens*topk/experts*factor) per expert (default: dropless).", bound=POSITIVE
     )
     moe_token_drop_policy: str = _f("probs", "Which copies an expert over capacity keeps.", choices=["probs", "position"])
+
+    @property
+    def attention_window(self) -> Optional[int]:
+        """--window-size's left size W (query i sees keys i-W..i), or None for unlimited causal attention."""
+        if not self.window_size or self.window_size[0] < 0:
+            return None
+        return int(self.window_size[0])
 
     @property
     def kv_heads(self) -> int:

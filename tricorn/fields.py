@@ -52,6 +52,16 @@ INT_LIMIT = 2**63 - 1
 FLOAT_LIMIT = 3.4028234663852886e38
 
 
+def int_tuple(text: str) -> list[int]:
+    """Megatron's tuple_type: "4095,0" or "(4095,0)" -> [4095, 0] (an argparse type; --window-size)."""
+    import argparse
+
+    try:
+        return [int(part) for part in str(text).strip().strip("()").split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be integers separated by a comma (e.g. 4095,0), got {text!r}") from None
+
+
 def field_kind(f: dataclasses.Field) -> tuple[str, bool]:
     """(base type name: int/float/str/bool/list, whether None is allowed) of a config field."""
     ftype = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")

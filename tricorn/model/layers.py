@@ -102,7 +102,10 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin().float().to(target), persistent=False)
 
     def rows(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows [s, 1, 1, d] for sequence-first activations [s, b, heads, d] of `dtype`."""
+        """cos and sin rows for sequence-first activations [s, b, heads, d] of `dtype`: [s, 1, 1, d] for positions
+        [s] shared by the samples, [s, b, 1, d] for positions [s, b] of each sample (--reset-position-ids)."""
+        if position_ids.dim() == 2:
+            return self.cos[position_ids].to(dtype)[:, :, None], self.sin[position_ids].to(dtype)[:, :, None]
         return self.cos[position_ids].to(dtype)[:, None, None], self.sin[position_ids].to(dtype)[:, None, None]
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

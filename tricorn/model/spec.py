@@ -18,9 +18,10 @@ token ids [seq, batch]):
   tied=True the forward receives the embedding weight.
 - cross_entropy(logits, labels, vocab_size) -> per-token fp32 loss of labels' shape, where
   logit columns at or beyond vocab_size (padding) never count.
-- core_attention(q, k, v, dropout): [b, heads, s, d] causal attention (views of sequence-first
+- core_attention(q, k, v, dropout, mask=None): [b, heads, s, d] causal attention (views of sequence-first
   [s, b, heads, d] tensors; the output is best written in q's layout, as SDPA does); `dropout` is None
-  or the layer's AttentionDropout (dropout.py: masks drawn by global sample, head and position).
+  or the layer's AttentionDropout (dropout.py: masks drawn by global sample, head and position); `mask` is None
+  or the AttentionMask (masking.py: document bounds, window) that limits causal attention further.
 - norm(dim, kind, eps): a norm module.
 - weight_grad: None, or the hook (lean.WeightGrad) through which the norms and the routed experts' GEMMs hand
   over their weights' gradients in backward, so that tricorn.parallel can defer them to a zero-bubble W
@@ -45,6 +46,7 @@ from torch import nn
 from tricorn.model.dropout import AttentionDropout, attention_with_dropout
 from tricorn.model.layers import LayerNorm, RMSNorm
 from tricorn.model.lean import WeightGrad, cross_entropy
+from tricorn.model.masking import AttentionMask, masked_attention
 
 
 class Linear(nn.Linear):
@@ -73,10 +75,21 @@ def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size:
     return cross_entropy(logits, labels, 0, min(vocab_size, logits.shape[-1]))
 
 
-def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: Optional[AttentionDropout]) -> torch.Tensor:
+def sdpa_causal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout: Optional[AttentionDropout],
+    mask: Optional[AttentionMask] = None,
+) -> torch.Tensor:
     """Causal attention through torch's fused kernel (flash on GPU); GQA without copying k/v.
 
-    With attention dropout the explicit form runs instead: SDPA would draw its own, layout-dependent mask."""
+    With attention dropout the explicit form runs instead: SDPA would draw its own, layout-dependent mask.
+    Documents or a window (`mask`) run as fused calls on the blocks they allow (masking.py)."""
+    if mask is not None:
+        if dropout is not None:  # validation refuses the pair before launch (tricorn/validation.py)
+            raise ValueError("attention dropout with --reset-attention-mask or --window-size is not supported")
+        return masked_attention(q, k, v, mask)
     if dropout is not None:
         pos = torch.arange(q.shape[2], device=q.device)
         return attention_with_dropout(q, k, v, dropout, pos, pos)

@@ -26,6 +26,7 @@ column-parallel split keep them intact at any TP size.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Optional
 
@@ -46,6 +47,7 @@ from tricorn.model.dropout import (
 from tricorn.model.init import INIT_KEY_ATTR, SHARD_ATTR, ShardInfo, init_weights, shard_info
 from tricorn.model.layers import RopeScaling, Rotary
 from tricorn.model.lean import split_qkv_rope, swiglu
+from tricorn.model.masking import Packing, attention_mask
 from tricorn.model.moe import MoEMLP
 from tricorn.model.spec import LayerSpec, local_spec
 
@@ -59,23 +61,32 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_per_group = cfg.num_attention_heads // cfg.kv_heads
         self.dropout_p = cfg.attention_dropout
+        self.window = cfg.attention_window  # --window-size: keys i - window .. i (masking.py)
         bias = not cfg.disable_bias_linear
         qkv_out = cfg.kv_heads * (self.q_per_group + 2) * self.head_dim
         self.wqkv = spec.column_linear(cfg.hidden_size, qkv_out, bias=bias)
         self.wo = spec.row_linear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=bias)
 
     def forward(
-        self, x: torch.Tensor, rotary: Optional[Rotary], position_ids: torch.Tensor, sample_ids: Optional[Sequence[int]] = None
+        self,
+        x: torch.Tensor,
+        rotary: Optional[Rotary],
+        position_ids: torch.Tensor,
+        sample_ids: Optional[Sequence[int]] = None,
+        packing: Optional[Packing] = None,
     ) -> torch.Tensor:
         qkv = self.wqkv(x)
         s, b = qkv.shape[:2]
         # [s, b, local groups, q_per_group + 2, d]: the group count is whatever slice this rank holds.
         qkv = qkv.view(s, b, -1, self.q_per_group + 2, self.head_dim)
-        cos, sin = rotary.rows(position_ids, qkv.dtype) if rotary is not None else (None, None)
+        positions = position_ids if packing is None or packing.position_ids is None else packing.position_ids
+        cos, sin = rotary.rows(positions, qkv.dtype) if rotary is not None else (None, None)
         # q, k, v as separate [s, b, heads, d] tensors (RoPE'd): attention keeps exactly these, and the QKV
         # output is freed. The core sees them as [b, heads, s, d] views.
         q, k, v = (t.permute(1, 2, 0, 3) for t in split_qkv_rope(qkv, self.q_per_group, cos, sin))
-        out = self.spec.core_attention(q, k, v, self._dropout(sample_ids, b, local_heads=q.shape[1]))
+        dropout = self._dropout(sample_ids, b, local_heads=q.shape[1])
+        mask = attention_mask(None if packing is None else packing.documents, self.window)
+        out = self.spec.core_attention(q, k, v, dropout, mask)
         # [b, heads, s, d] -> [s, b, heads * d]: a view when the kernel wrote q's layout (SDPA does).
         return self.wo(out.permute(2, 0, 1, 3).flatten(2))
 
@@ -144,9 +155,14 @@ class TransformerBlock(nn.Module):
         return hidden_dropout(x.transpose(0, 1), self.hidden_dropout, key, rows).transpose(0, 1)
 
     def forward(
-        self, x: torch.Tensor, rotary: Optional[Rotary], position_ids: torch.Tensor, sample_ids: Optional[Sequence[int]] = None
+        self,
+        x: torch.Tensor,
+        rotary: Optional[Rotary],
+        position_ids: torch.Tensor,
+        sample_ids: Optional[Sequence[int]] = None,
+        packing: Optional[Packing] = None,
     ) -> torch.Tensor:
-        attn = self.attention(self.attention_norm(x), rotary, position_ids, sample_ids)
+        attn = self.attention(self.attention_norm(x), rotary, position_ids, sample_ids, packing)
         x = x + self._dropout(attn, ATTENTION_OUTPUT, position_ids, sample_ids)
         return x + self._dropout(self.mlp(self.mlp_norm(x)), MLP_OUTPUT, position_ids, sample_ids)
 
@@ -221,22 +237,33 @@ class GPTModel(nn.Module):
         return torch.arange(seq, device=device)
 
     def forward(
-        self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None, sample_ids: Optional[Sequence[int]] = None
+        self,
+        inputs: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        sample_ids: Optional[Sequence[int]] = None,
+        packing: Optional[Packing] = None,
     ) -> torch.Tensor:
         """`inputs`: token ids [b, s] on the first stage, else the previous stage's hidden states [s, b, h];
         `labels` [b, s]; `sample_ids`: the global sample index of each row, which dropout masks are drawn by
-        (dropout.py). Returns hidden states [s, b, h], the per-token loss [b, s] or the logits [b, s, V]."""
+        (dropout.py); `packing`: the documents of each sample (masking.py: positions that restart per document,
+        document bounds for attention), None for one document per sample. Returns hidden states [s, b, h], the
+        per-token loss [b, s] or the logits [b, s, V]."""
         # Hidden states from a previous pipeline stage may be sequence-sharded; token ids never are.
         seq = inputs.shape[1] if self.pre_process else inputs.shape[0] * self.spec.sequence_shards
-        position_ids = self._position_ids(seq, inputs.device)
+        position_ids = self._position_ids(seq, inputs.device)  # the rows' places in the sequence (dropout, CP)
+        if packing is not None and packing.position_ids is not None:  # RoPE reads [s, b] positions per sample
+            packing = dataclasses.replace(packing, position_ids=packing.position_ids.t())
         if self.pre_process:
             x = self.tok_embeddings(inputs.t().contiguous())  # sequence-first from here on
             if self.pos_embeddings is not None:
-                x = self.sequence_scatter(x + self.pos_embeddings(position_ids).unsqueeze(1))
+                if packing is not None and packing.position_ids is not None:
+                    x = self.sequence_scatter(x + self.pos_embeddings(packing.position_ids))
+                else:
+                    x = self.sequence_scatter(x + self.pos_embeddings(position_ids).unsqueeze(1))
         else:
             x = inputs
         for layer in self.layers.values():
-            x = layer(x, self.rotary, position_ids, sample_ids)
+            x = layer(x, self.rotary, position_ids, sample_ids, packing)
         if not self.post_process:
             return x
         logits = self.head(x)

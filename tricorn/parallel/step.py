@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tricorn.data.base import Batch
+from tricorn.model.masking import Packing
 from tricorn.model.moe import set_aux_loss_scale
 from tricorn.timers import NULL_TIMERS, Timers
 
@@ -42,8 +43,15 @@ def set_moe_aux_weight(ctx: StepContext, mb: Batch) -> None:
     set_aux_loss_scale(ctx.optimizer.scale_loss(mb.loss_mask.sum() / ctx.num_tokens))
 
 
+def packing_of(mb: Batch) -> Optional[Packing]:
+    """What the model needs of a microbatch's documents (--reset-position-ids, --reset-attention-mask), or None."""
+    if mb.position_ids is None and mb.documents is None:
+        return None
+    return Packing(mb.position_ids, mb.documents)
+
+
 def microbatch_loss(model: nn.Module, mb: Batch, num_tokens: torch.Tensor) -> torch.Tensor:
-    per_token = model(mb.tokens, mb.labels, mb.sample_ids)
+    per_token = model(mb.tokens, mb.labels, mb.sample_ids, packing_of(mb))
     return (per_token * mb.loss_mask).sum() / num_tokens
 
 

@@ -14,7 +14,9 @@ Attention meets the rest of the sequence one of three ways (``--cp-comm-type``, 
 - ``allgather`` (allgather.py): all-gather of the whole K/V, two fused calls per kept chunk.
 
 All three compute with fused kernels that return the log-sum-exp (blocks.py) and never build an [s/CP, s]
-mask or score tensor. Attention dropout keeps its layout-independent keyed masks with every comm type: the
+mask or score tensor. Documents (--reset-attention-mask) and windows (--window-size) follow one rule on global
+positions with every comm type (tricorn/model/masking.py): the ring and the all-gather plan each chunk's blocks by
+the global positions of its rows and keys, a2a attends its gathered whole sequences as one device does. Attention dropout keeps its layout-independent keyed masks with every comm type: the
 ring and allgather draw each block's masks by its global positions, a2a those of its global heads.
 """
 
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 from tricorn.config import CP_COMM_TYPES
 from tricorn.model.dropout import AttentionDropout
+from tricorn.model.masking import AttentionMask
 from tricorn.model.spec import LayerSpec
 from tricorn.parallel.context.allgather import allgather_attention
 from tricorn.parallel.context.layout import local_positions, slice_batch
@@ -54,12 +57,18 @@ def context_parallel_attention(group: dist.ProcessGroup, comm_type: str = "p2p")
         raise ValueError(f"--cp-comm-type must be one of {', '.join(COMM_TYPES)}, got {comm_type!r}")
     ring = Ring(group) if comm_type == "p2p" else None
 
-    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: Optional[AttentionDropout]) -> torch.Tensor:
+    def core(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dropout: Optional[AttentionDropout],
+        mask: Optional[AttentionMask] = None,
+    ) -> torch.Tensor:
         if comm_type == "a2a":
-            return ulysses_attention(q, k, v, dropout, group)
+            return ulysses_attention(q, k, v, dropout, group, mask)
         if comm_type == "allgather":
-            return allgather_attention(q, k, v, dropout, group)
-        return ring_attention(q, k, v, ring, dropout)
+            return allgather_attention(q, k, v, dropout, group, mask)
+        return ring_attention(q, k, v, ring, dropout, mask)
 
     return core
 

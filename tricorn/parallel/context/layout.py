@@ -1,7 +1,8 @@
 """The head-tail sequence layout of context parallelism: which tokens each CP rank keeps.
 
 The sequence is cut into 2*CP chunks and CP rank r keeps chunks r and 2*CP-1-r, so every rank has the same
-amount of causal attention work. No collectives; memory: index vectors of the sequence length.
+amount of causal attention work. A batch's positions (--reset-position-ids) are cut with its tokens; its document
+bounds are not (they are global). No collectives; memory: index vectors of the sequence length.
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ def local_positions(seq_length: int, cp_rank: int, cp_size: int, device=None) ->
     first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
     second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk, device=device)
     return torch.cat([first, second])
+
+
+def chunk_runs(cp_rank: int, cp_size: int, chunk: int) -> list[int]:
+    """CP rank `cp_rank`'s two chunks as (first local row, global position, length) triples, flattened
+    (tricorn/model/masking.py plans document and window blocks on them)."""
+    return [0, cp_rank * chunk, chunk, chunk, (2 * cp_size - 1 - cp_rank) * chunk, chunk]
 
 
 def gathered_positions(seq_length: int, cp_size: int, device=None) -> torch.Tensor:
@@ -35,4 +42,6 @@ def slice_batch(batch: Batch, cp_rank: int, cp_size: int) -> Batch:
     if cp_size == 1:
         return batch
     idx = local_positions(batch.tokens.shape[1], cp_rank, cp_size, batch.tokens.device)
-    return Batch(batch.tokens[:, idx], batch.labels[:, idx], batch.loss_mask[:, idx], batch.sample_ids)
+    positions = None if batch.position_ids is None else batch.position_ids[:, idx]
+    # The document bounds stay whole: attention plans each chunk's blocks by global positions.
+    return Batch(batch.tokens[:, idx], batch.labels[:, idx], batch.loss_mask[:, idx], batch.sample_ids, positions, batch.documents)

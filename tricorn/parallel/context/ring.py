@@ -21,6 +21,11 @@ and lse accumulators of the local rows; backward adds the fp32 dq accumulator an
 (the home's own part, the accumulator being added to and the one arriving). Saved for backward: q, k, v, the output and the lse -
 the same as one flash call on the local rows. No [s, s] or [s/CP, s] tensor is ever made. Attention dropout
 runs each step's block as explicit math with the keyed masks of its global positions (blocks.py).
+
+Documents and windows (tricorn/model/masking.py): each step runs the masked op on this rank's two chunks against the
+visiting pair's two by global positions, so a step's blocks no document spans (a document that ended before this
+rank's chunks begin, keys beyond the window) are never called; the pair still travels (every rank's next step
+needs it), and the head-tail layout that balances causal work stays as it is.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from tricorn.model.dropout import AttentionDropout
+from tricorn.model.masking import AttentionMask, attend_masked, attend_masked_backward
 from tricorn.parallel.context.blocks import (
     Block,
     BlockDropout,
@@ -39,8 +45,9 @@ from tricorn.parallel.context.blocks import (
     empty_accumulators,
     finish_output,
     forward_blocks,
+    merge_,
 )
-from tricorn.parallel.context.layout import local_positions
+from tricorn.parallel.context.layout import chunk_runs, local_positions
 
 
 class Ring:
@@ -84,9 +91,16 @@ def _step_dropout(dropout: Optional[AttentionDropout], ring: Ring, step: int, s_
     return BlockDropout(dropout, local_positions(s, ring.rank, ring.size, device), local_positions(s, src, ring.size, device))
 
 
+def _masked_args(mask: AttentionMask, ring: Ring, step: int, chunk: int) -> tuple:
+    """The masked op's arguments for step `step`: this rank's chunks against those of the pair's home rank."""
+    src = (ring.rank - step) % ring.size
+    window = -1 if mask.window is None else mask.window
+    return mask.documents, chunk_runs(ring.rank, ring.size, chunk), chunk_runs(src, ring.size, chunk), 2 * chunk * ring.size, window
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, dropout: Optional[AttentionDropout]):
+    def forward(ctx, q, k, v, ring: Ring, dropout: Optional[AttentionDropout], mask: Optional[AttentionMask]):
         chunk = q.shape[2] // 2
         out_acc, lse_acc = empty_accumulators(q)
         kv = torch.stack([k, v])  # one message per step: [2, b, hkv, 2c, d]
@@ -94,13 +108,16 @@ class _RingAttention(torch.autograd.Function):
             works: list = []
             if step + 1 < ring.size:
                 nxt, works = ring.shift(kv)
-            drop = _step_dropout(dropout, ring, step, q.shape[2], q.device)
-            forward_blocks(q, kv[0], kv[1], ring_blocks(step, ring.rank, chunk), out_acc, lse_acc, drop)
+            if mask is not None:  # documents / window: the blocks of this step some document spans (masking.py)
+                merge_(out_acc, lse_acc, *attend_masked(q, kv[0], kv[1], *_masked_args(mask, ring, step, chunk)))
+            else:
+                drop = _step_dropout(dropout, ring, step, q.shape[2], q.device)
+                forward_blocks(q, kv[0], kv[1], ring_blocks(step, ring.rank, chunk), out_acc, lse_acc, drop)
             if works:
                 _wait(works)
                 kv = nxt
         out = finish_output(q, out_acc)
-        ctx.ring, ctx.dropout = ring, dropout
+        ctx.ring, ctx.dropout, ctx.mask = ring, dropout, mask
         ctx.save_for_backward(q, k, v, out, lse_acc)
         return out
 
@@ -126,9 +143,15 @@ class _RingAttention(torch.autograd.Function):
                 target = own
             else:
                 target = dkv if step > 1 else torch.zeros(kv.shape, dtype=acc, device=q.device)
-            blocks = ring_blocks(step, ring.rank, chunk)
-            drop = _step_dropout(ctx.dropout, ring, step, q.shape[2], q.device)
-            backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, dq, target[0], target[1], drop)
+            if ctx.mask is not None:
+                gq, gk, gv = attend_masked_backward(dout, q, kv[0], kv[1], out, lse, *_masked_args(ctx.mask, ring, step, chunk))
+                dq += gq
+                target[0] += gk
+                target[1] += gv
+            else:
+                blocks = ring_blocks(step, ring.rank, chunk)
+                drop = _step_dropout(ctx.dropout, ring, step, q.shape[2], q.device)
+                backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, dq, target[0], target[1], drop)
             if step > 0:
                 sending = target  # referenced until the wait that ends its message (next step, or after the loop)
                 dkv, dkv_works = ring.shift(sending)  # on with its pair; after the last step, home
@@ -137,9 +160,12 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         _wait(dkv_works)
         dkv = own if dkv is None else own.add_(dkv)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, ring: Ring, dropout: Optional[AttentionDropout] = None) -> torch.Tensor:
-    """Causal attention of this rank's head-tail chunks over the whole sequence (q [b, h, 2c, d], k, v [b, hkv, 2c, d])."""
-    return _RingAttention.apply(q, k, v, ring, dropout)
+def ring_attention(
+    q, k, v, ring: Ring, dropout: Optional[AttentionDropout] = None, mask: Optional[AttentionMask] = None
+) -> torch.Tensor:
+    """Causal attention of this rank's head-tail chunks over the whole sequence (q [b, h, 2c, d], k, v [b, hkv, 2c, d]),
+    limited further by `mask` (documents, window)."""
+    return _RingAttention.apply(q, k, v, ring, dropout, mask)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tricorn.model.dropout import AttentionDropout
+from tricorn.model.masking import AttentionMask
 from tricorn.model.spec import sdpa_causal
 from tricorn.parallel.context.layout import global_order
 
@@ -80,7 +81,12 @@ class _HeadsToSeq(torch.autograd.Function):
 
 
 def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: Optional[AttentionDropout], group: dist.ProcessGroup
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout: Optional[AttentionDropout],
+    group: dist.ProcessGroup,
+    mask: Optional[AttentionMask] = None,
 ) -> torch.Tensor:
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     order = global_order(q.shape[2] * cp, cp, q.device)
@@ -90,5 +96,5 @@ def ulysses_attention(
     q, k, v = (_SeqToHeads.apply(t, group, *order) for t in (q, k, v))
     if dropout is not None:  # this rank's global heads start cp_rank x H/CP after the TP rank's first head
         dropout = dataclasses.replace(dropout, head_offset=dropout.head_offset + rank * q.shape[1])
-    out = sdpa_causal(q, k, v, dropout)
+    out = sdpa_causal(q, k, v, dropout, mask)  # the whole sequence: documents and windows as on one device
     return _HeadsToSeq.apply(out, group, *order)

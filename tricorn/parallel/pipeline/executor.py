@@ -74,7 +74,7 @@ from tricorn.parallel.pipeline.schedules import (
 )
 from tricorn.parallel.pipeline.stages import layout_from_config
 from tricorn.parallel.state import world_timeout
-from tricorn.parallel.step import StepContext, new_global_batch, set_moe_aux_weight
+from tricorn.parallel.step import StepContext, new_global_batch, packing_of, set_moe_aux_weight
 from tricorn.parallel.wgrad import WeightGradStore
 from tricorn.timers import PIPELINE_P2P_WAIT
 
@@ -183,7 +183,7 @@ class PipelineExecutor:
         mb = run.batch(a.microbatch)
         last = self.is_last_stage(a.chunk)
         x = mb.tokens if is_first_stage(self.pp_rank, a.chunk) else run.inputs.pop(key)
-        out = model(x, mb.labels if last else None, mb.sample_ids)
+        out = model(x, mb.labels if last else None, mb.sample_ids, packing_of(mb))
         if last:
             out = (out * mb.loss_mask).sum() / run.ctx.num_tokens
             run.total += out.detach().float()
