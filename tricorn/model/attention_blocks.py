@@ -259,8 +259,9 @@ def attend_backward(dout, q, k, v, out, lse, blocks: Sequence[Block]) -> tuple[t
     groups = _groups(blocks)
     rows_once = groups is not None and all(len(g) == 1 for g in groups)
     keys_once = _disjoint_keys(blocks)
-    dq = torch.zeros_like(q) if rows_once else torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk, dv = ((torch.zeros_like(t) if keys_once else torch.zeros(t.shape, dtype=acc, device=t.device)) for t in (k, v))
+    # In the operands' layouts (a custom op's outputs must have the strides its fake implementation promises).
+    dq = torch.zeros_like(q, dtype=q.dtype if rows_once else acc)
+    dk, dv = (torch.zeros_like(t, dtype=t.dtype if keys_once else acc) for t in (k, v))
     for blk in blocks:
         gq, gk, gv = call_backward(dout, q, k, v, out, lse, blk)
         if rows_once:
