@@ -51,6 +51,10 @@ LAYOUTS = {
     "loss-scale": ["--bf16", "--loss-scale", "128"],
     "offload": ["--bf16", *DISTOPT, "--optimizer-cpu-offload"],
     "spiky-loss": ["--bf16", *DISTOPT, "--check-for-spiky-loss"],  # the spike veto's device work in the step
+    # Documents and a window: positions copied with the microbatch, the bounds read on the host (model/masking.py).
+    "cp2-documents-window": [
+        "--bf16", "--context-parallel-size", "2", *GQA, "--reset-position-ids", "--reset-attention-mask", "--window-size", "8",
+    ],  # fmt: skip
 }
 
 
@@ -87,9 +91,11 @@ def test_no_host_wait_in_iterations_that_do_not_log(results, name):
             assert i["copies"] and all(c.startswith("non-blocking host-to-device copy from pinned") for c in i["copies"])
 
 
-def test_cp_with_gqa_runs_flash(results):
-    """parallel/context/ ring attention: every block is an unmasked or square causal call at k's head count, flash's."""
-    kernels = {k for r in results["cp2-gqa"]["ranks"] for i in r["iterations"] for k in i["kernels"]}
+@pytest.mark.parametrize("name", ["cp2-gqa", "cp2-documents-window"])
+def test_cp_with_gqa_runs_flash(results, name):
+    """parallel/context/ ring attention: every block is an unmasked or square causal call at k's head count, flash's;
+    with documents and a window too (the anti-causal squares run causal on reversed rows)."""
+    kernels = {k for r in results[name]["ranks"] for i in r["iterations"] for k in i["kernels"]}
     assert kernels == {FLASH}, kernels
 
 

@@ -239,6 +239,37 @@ CP_CPU_BLOCK_OPS = (
 )
 
 
+def masked_block_call(cfg) -> AttentionCall:
+    """The largest call a document-masked or windowed layer makes on CUDA (tricorn/model/masking.py): a square causal
+    block of a whole document at this rank's heads (an unmasked block is the same call without is_causal)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    heads, kv = m.num_attention_heads // tp, max(m.kv_heads // tp, 1)
+    s = m.seq_length // cp if cp > 1 and p.cp_comm_type != "a2a" else m.seq_length
+    if cp > 1 and p.cp_comm_type == "a2a":
+        heads, kv = heads // cp, max(kv * (cp // math.gcd(kv, cp)) // cp, 1)
+    dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+    shape = (1, heads, s, m.head_dim)
+    call = AttentionCall(shape, (1, kv, s, m.head_dim), (1, kv, s, m.head_dim), (dtype,) * 3, (1, 1, 1), (0, 0, 0))
+    return dataclasses.replace(call, is_causal=True, enable_gqa=kv != heads)
+
+
+def masked_attention_refusal(cfg, cap: tuple[int, int] = (9, 0)) -> Optional[str]:
+    """One line when --reset-attention-mask / --window-size cannot run on a CUDA device of capability `cap`: their
+    blocks call flash or the efficient kernel explicitly (no math fallback, which would build the scores)."""
+    if not (cfg.data.reset_attention_mask or cfg.model.attention_window is not None):
+        return None
+    call = cp_block_call(masked_block_call(cfg), cap)
+    if cuda_sdpa_kernel(call, cap) in FUSED:
+        return None
+    refusal = fused_refusals(call, cap)
+    return (
+        f"--reset-attention-mask / --window-size need flash or the efficient attention kernel on this GPU (sm{cap[0]}{cap[1]}, "
+        f"{cfg.param_dtype_name}, head dim {cfg.model.head_dim}): flash refuses: {refusal[FLASH]}; efficient refuses: "
+        f"{refusal[EFFICIENT]}; use --bf16 or a head dimension that is a multiple of 8"
+    )
+
+
 def math_fallback_warning(cfg, cap: tuple[int, int] = (9, 0)) -> Optional[str]:
     """One line when this config's attention can only run torch's math kernel on a CUDA device of compute
     capability `cap`, naming its memory (the caller asks only for CUDA runs)."""

@@ -14,7 +14,8 @@ One counter, four records (each entry names the operator and its caller, file:li
   tensors in an operator (an error on CUDA), host tensors in a collective (NCCL takes device tensors only).
 - ``attention``: every ``scaled_dot_product_attention`` call as a tricorn.attention_kernels.AttentionCall, whose
   CUDA kernel ``cuda_sdpa_kernel`` tells, and every context-parallel block's CPU kernel call as the CUDA call
-  blocks.py makes for it (attention_kernels.cp_block_call).
+  blocks.py makes for it (attention_kernels.cp_block_call); a document-masked or windowed attention
+  (model/masking.py's custom op, opaque here) as the calls of the blocks it plans.
 
 On a GPU (``device`` cuda) host memory is what is on the CPU. On a CPU run the host cannot be told from the
 device by the tensors, so the counter keeps a registry of host storages (tricorn.pinned): what the data loader
@@ -54,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tricorn import pinned
+from tricorn.model.masking import planned_calls  # also registers the tricorn:: ops named in HOST_PLANNED_OPS
 from tricorn.attention_kernels import CP_CPU_BLOCK_OPS, FUSED, AttentionCall, cp_block_call, cuda_sdpa_kernel, fused_refusals
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
@@ -62,6 +64,9 @@ _TO_COPY = torch.ops.aten._to_copy.default
 _SCALAR_TENSOR = torch.ops.aten.scalar_tensor.default
 _DATA_FACTORIES = (torch.tensor, torch.as_tensor, torch.asarray)
 _SDPA = torch._C._nn.scaled_dot_product_attention
+# Custom ops that take a host tensor beside device ones and read it on the host to plan their kernel calls
+# (tricorn/model/masking.py: the document bounds); the kernels they call are recorded one by one.
+HOST_PLANNED_OPS = (torch.ops.tricorn.attend_masked.default, torch.ops.tricorn.attend_masked_backward.default)
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -155,6 +160,8 @@ class _Function(TorchFunctionMode):
             q, k, v, causal = args[0], args[1], args[2], args[4] if len(args) > 4 else kwargs.get("is_causal", False)
             call = AttentionCall.of(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1], where=_caller())
             o.attention.append(cp_block_call(call))
+        elif func is HOST_PLANNED_OPS[0]:  # documents / window (model/masking.py): each block's CUDA call
+            o.attention.extend(cp_block_call(c) for c in planned_calls(*args, **kwargs))
         elif func in _device_constructors():
             return o.created(func, args, kwargs)
         elif method and name in ("to", "cuda", "cpu"):
@@ -204,6 +211,8 @@ class HostReadCounter:
             for t in _tensors(out):
                 if pinned.host_kind(t) is None:
                     pinned.mark_host(t)
+            return
+        if func in HOST_PLANNED_OPS:  # they read their host tensor (document bounds) on the host, by design
             return
         if host and str(func.namespace) == "c10d":
             self.wrong_device.append(f"host tensor in collective {func} at {_caller()}")

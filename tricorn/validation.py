@@ -15,6 +15,7 @@ from typing import Optional
 
 from tricorn.config import Config, field_errors
 from tricorn.data.skip_samples import skip_samples_errors
+from tricorn.model.masking import validate_attention_mask
 from tricorn.parallel.batch_schedule import validate_rampup
 from tricorn.parallel.compile import validate_compile
 from tricorn.parallel.fp8 import validate_fp8
@@ -116,6 +117,7 @@ def validate(cfg: Config) -> list[str]:
             + validate_moe(cfg)
             + validate_compile(cfg)
             + validate_fp8(cfg)
+            + validate_attention_mask(cfg)
             + skip_samples_errors(d.skip_samples, t.train_iters * t.global_batch_size if t.global_batch_size else 0)
         )
     return errs

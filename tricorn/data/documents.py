@@ -53,13 +53,12 @@ def document_bounds(tokens: torch.Tensor, eod: int) -> torch.Tensor:
 
     Row r: [0, e_1 + 1, e_2 + 1, ..., s, s, ...] for the eods e_i of sample r that are not its last token."""
     b, s = tokens.shape
-    bounds = torch.full((b, s + 1), s, dtype=torch.int32)
     starts = tokens[:, :-1] == eod  # an eod at position i starts a document at i + 1 (not past the end)
+    rows = []
     for row in range(b):
-        new = torch.nonzero(starts[row]).flatten() + 1
-        bounds[row, 1 : 1 + new.numel()] = new.to(torch.int32)
-    bounds[:, 0] = 0
-    return bounds
+        new = (torch.nonzero(starts[row]).flatten() + 1).tolist()
+        rows.append([0, *new] + [s] * (s - len(new)))
+    return torch.tensor(rows, dtype=torch.int32).reshape(b, s + 1)
 
 
 def apply_document_flags(

@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from tricorn.attention_kernels import AttentionCall
 from tricorn.model.attention_blocks import ANTICAUSAL, CAUSAL, UNMASKED, Block, attend, attend_backward
 
 Run = tuple[int, int, int]  # (first local row, its global position, length): a contiguous piece of the sequence
@@ -237,6 +238,19 @@ def _backward(ctx, dout, _dlse):
 attend_masked.register_autograd(_backward, setup_context=_setup_context)
 
 
+def planned_calls(q, k, v, documents, q_runs, k_runs, seq_length, window) -> list[AttentionCall]:
+    """The kernel call of each block `attend_masked` makes for these arguments, as tricorn.attention_kernels describes
+    calls (an anti-causal block: a causal call on fresh reversed copies): what the CUDA contract checks."""
+    calls = []
+    for blk in plan_for(q, documents, q_runs, k_runs, seq_length, window):
+        qb, kb, vb = q[blk.batch, :, blk.rows], k[blk.batch, :, blk.keys], v[blk.batch, :, blk.keys]
+        if blk.anticausal:  # torch.flip returns contiguous tensors of their own
+            qb, kb, vb = (torch.empty(t.shape, dtype=t.dtype, device="meta") for t in (qb, kb, vb))
+        gqa = kb.shape[1] != qb.shape[1]
+        calls.append(AttentionCall.of(qb, kb, vb, is_causal=blk.causal or blk.anticausal, enable_gqa=gqa, where="masking.py"))
+    return calls
+
+
 def whole(s: int) -> list[int]:
     """The run of a whole sequence of s rows held in order (a single device, or a2a's gathered sequence)."""
     return [0, 0, s]
@@ -248,3 +262,34 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: At
     window = -1 if mask.window is None else mask.window
     out, _ = attend_masked(q, k, v, mask.documents, whole(s), whole(s), s, window)
     return out
+
+
+# ---------------------------------------------------------------- checks before launch
+
+
+def validate_attention_mask(cfg) -> list[str]:
+    """--window-size, --reset-attention-mask and what they meet, one sentence per problem (before launch)."""
+    m, d = cfg.model, cfg.data
+    errs: list[str] = []
+    w = m.window_size
+    if w is not None:
+        text = ",".join(str(x) for x in w)
+        if len(w) not in (1, 2):
+            errs.append(f"--window-size {text} must be LEFT or LEFT,RIGHT (Megatron's form, e.g. 4095,0)")
+        elif not (w[0] >= 1 or w[0] == -1):
+            errs.append(
+                f"--window-size {text}: LEFT must be a positive number of earlier tokens a query sees (or -1: all of them); "
+                "Hugging Face's sliding_window N is --window-size N-1,0"
+            )
+        elif len(w) == 2 and w[1] != 0:
+            errs.append(
+                f"--window-size {text}: a causal decoder sees no later token, so RIGHT must be 0; use --window-size {w[0]},0"
+            )
+    limited = d.reset_attention_mask or m.attention_window is not None
+    if limited and m.attention_dropout > 0:
+        what = "--reset-attention-mask" if d.reset_attention_mask else "--window-size"
+        errs.append(
+            f"--attention-dropout {m.attention_dropout:g} with {what} is not supported (the keyed dropout runs explicit "
+            "attention over the causal mask only); use --attention-dropout 0"
+        )
+    return errs

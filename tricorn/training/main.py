@@ -32,13 +32,23 @@ def resolve_config(argv: Optional[list[str]]) -> Config:
         if not errors and cfg.device == "cuda":  # memory estimate vs the device (GPU only: CPU RAM is not the limit)
             from tricorn.planning.estimate import memory_errors, visible_device_memory
 
-            errors += memory_errors(cfg, visible_device_memory())
+            errors += memory_errors(cfg, visible_device_memory()) + _attention_kernel_errors(cfg)
     except ConfigError as e:
         errors = [str(e)]
     if errors:
         # One line, from one rank, exit 2 on every rank: every problem, the most layout-relevant first.
         sys.exit(fail("; also: ".join(errors), CONFIG_ERROR, prints=launch_rank() == 0))
     return cfg
+
+
+def _attention_kernel_errors(cfg: Config) -> list[str]:
+    """Documents / windows whose block calls no fused kernel of this GPU takes (attention_kernels.py)."""
+    import torch
+
+    from tricorn.attention_kernels import masked_attention_refusal
+
+    line = masked_attention_refusal(cfg, torch.cuda.get_device_capability())
+    return [line] if line else []
 
 
 def _cuda_visible() -> bool:
