@@ -85,7 +85,9 @@ def reference_loss(state: dict, cfg, tokens, labels, loss_mask, positions, allow
         attn = torch.einsum("bhij,bjhd->bihd", probs, v).reshape(b, s, heads * d)
         x = x + F.linear(attn, p[pre + "attention.wo.weight"], p.get(pre + "attention.wo.bias"))
         bias = None if cfg.normalization == "RMSNorm" else p[pre + "mlp_norm.bias"]
-        h = F.linear(_norm(x, p[pre + "mlp_norm.weight"], bias, cfg.norm_epsilon), p[pre + "mlp.w1.weight"], p.get(pre + "mlp.w1.bias"))
+        h = F.linear(
+            _norm(x, p[pre + "mlp_norm.weight"], bias, cfg.norm_epsilon), p[pre + "mlp.w1.weight"], p.get(pre + "mlp.w1.bias")
+        )
         h = F.silu(h[..., 0::2]) * h[..., 1::2] if cfg.swiglu else F.gelu(h)
         x = x + F.linear(h, p[pre + "mlp.w2.weight"], p.get(pre + "mlp.w2.bias"))
     x = _norm(x, p["norm.weight"], None if cfg.normalization == "RMSNorm" else p["norm.bias"], cfg.norm_epsilon)

@@ -53,7 +53,14 @@ LAYOUTS = {
     "spiky-loss": ["--bf16", *DISTOPT, "--check-for-spiky-loss"],  # the spike veto's device work in the step
     # Documents and a window: positions copied with the microbatch, the bounds read on the host (model/masking.py).
     "cp2-documents-window": [
-        "--bf16", "--context-parallel-size", "2", *GQA, "--reset-position-ids", "--reset-attention-mask", "--window-size", "8",
+        "--bf16",
+        "--context-parallel-size",
+        "2",
+        *GQA,
+        "--reset-position-ids",
+        "--reset-attention-mask",
+        "--window-size",
+        "8",
     ],  # fmt: skip
 }
 

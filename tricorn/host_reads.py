@@ -55,8 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tricorn import pinned
-from tricorn.model.masking import planned_calls  # also registers the tricorn:: ops named in HOST_PLANNED_OPS
 from tricorn.attention_kernels import CP_CPU_BLOCK_OPS, FUSED, AttentionCall, cp_block_call, cuda_sdpa_kernel, fused_refusals
+from tricorn.model.masking import planned_calls  # also registers the tricorn:: ops named in HOST_PLANNED_OPS
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _COPY = torch.ops.aten.copy_.default

@@ -107,7 +107,9 @@ def masked_reference(q, k, v, mask: AttentionMask) -> torch.Tensor:
     if mask.window is not None:
         allowed &= j >= i - mask.window
     reps = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1), attn_mask=allowed[:, None])
+    return F.scaled_dot_product_attention(
+        q, k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1), attn_mask=allowed[:, None]
+    )
 
 
 def run_masked(comm_type: str, groups: int, mask: AttentionMask) -> int:

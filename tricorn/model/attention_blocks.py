@@ -241,12 +241,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Sequence[B
     for group in groups:
         first = group[0]
         where = (first.batch, slice(None), first.rows)
-        o, l = call_forward(q, k, v, first)
+        o, row_lse = call_forward(q, k, v, first)
+        row_lse = row_lse.masked_fill(row_lse == float("inf"), float("-inf"))  # flash: +inf for a row that saw no key
         if len(group) == 1:  # exactly one kernel call over these rows: its result as is
-            out[where], lse[where] = o, l.masked_fill(l == float("inf"), float("-inf"))
+            out[where], lse[where] = o, row_lse
             continue
-        out_acc = at_least_fp32(o).clone()
-        lse_acc = l.to(lse.dtype).masked_fill(l == float("inf"), float("-inf"))
+        out_acc, lse_acc = at_least_fp32(o).clone(), row_lse.to(lse.dtype)
         for blk in group[1:]:
             merge_(out_acc, lse_acc, *call_forward(q, k, v, blk))
         out[where], lse[where] = out_acc, lse_acc

@@ -44,4 +44,6 @@ def slice_batch(batch: Batch, cp_rank: int, cp_size: int) -> Batch:
     idx = local_positions(batch.tokens.shape[1], cp_rank, cp_size, batch.tokens.device)
     positions = None if batch.position_ids is None else batch.position_ids[:, idx]
     # The document bounds stay whole: attention plans each chunk's blocks by global positions.
-    return Batch(batch.tokens[:, idx], batch.labels[:, idx], batch.loss_mask[:, idx], batch.sample_ids, positions, batch.documents)
+    return Batch(
+        batch.tokens[:, idx], batch.labels[:, idx], batch.loss_mask[:, idx], batch.sample_ids, positions, batch.documents
+    )

@@ -95,7 +95,13 @@ def _masked_args(mask: AttentionMask, ring: Ring, step: int, chunk: int) -> tupl
     """The masked op's arguments for step `step`: this rank's chunks against those of the pair's home rank."""
     src = (ring.rank - step) % ring.size
     window = -1 if mask.window is None else mask.window
-    return mask.documents, chunk_runs(ring.rank, ring.size, chunk), chunk_runs(src, ring.size, chunk), 2 * chunk * ring.size, window
+    return (
+        mask.documents,
+        chunk_runs(ring.rank, ring.size, chunk),
+        chunk_runs(src, ring.size, chunk),
+        2 * chunk * ring.size,
+        window,
+    )
 
 
 class _RingAttention(torch.autograd.Function):
