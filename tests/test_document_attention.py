@@ -9,6 +9,8 @@ that single-process run over 5 iterations.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from document_reference import allowed_mask, packed_corpus, reference_loss
@@ -18,6 +20,8 @@ from tricorn.config import config_from_args
 from tricorn.data.documents import starts_from_bounds
 from tricorn.data.loader import build_loaders
 from tricorn.model.transformer import GPTModel
+from tricorn.planning.activations import layout_layer_bytes
+from tricorn.planning.layout import Layout
 
 DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 WINDOW = ["--window-size", "6,0"]  # keys i-6..i: several window tiles per 64-token sample
@@ -70,7 +74,19 @@ LAYOUTS = {
 }
 
 
+PROBED = ("tp2-sp", "cp2-allgather")
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_single_process(tmp_path, corpus, name):
     nproc, extra = LAYOUTS[name]
-    assert_equivalent(data_flags(corpus) + DOCUMENTS + WINDOW, nproc, tmp_path, extra)
+    flags = data_flags(corpus) + DOCUMENTS + WINDOW
+    report = ["--tensorboard-dir", str(tmp_path / "tb")] if name in PROBED else []
+    assert_equivalent(flags, nproc, tmp_path, extra + report)
+    if report:  # iteration 1's saved-tensor probe == the activation estimate, RoPE rows per sample included
+        cfg = config_from_args(flags + extra, world_size=nproc)
+        layout = Layout.from_config(cfg)
+        assert layout.per_sample_positions
+        expected = layout_layer_bytes(cfg.model, layout)
+        measured = [e["activation_bytes_per_layer"] for e in json.loads((tmp_path / "tb" / "memory_report.json").read_text())]
+        assert measured == [expected] * nproc, (measured, expected)

@@ -20,6 +20,7 @@ from typing import Optional
 
 from tricorn.config import ConfigError, ModelConfig, config_from_args
 from tricorn.planning import sbatch
+from tricorn.planning.flops import attention_work
 from tricorn.planning.hardware import GiB, get_gpu
 from tricorn.planning.layout import Layout
 from tricorn.planning.memory import active_params, total_params
@@ -40,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--emit-sbatch", metavar="FILE", help="Write an sbatch script for the top layout.")
     p.add_argument("--time", default="24:00:00", help="Time limit of each job in the sbatch script.")
     p.add_argument("--train-tokens", type=float, default=1e12, help="Tokens to train on (sets --train-iters).")
+    p.add_argument(
+        "--document-length",
+        type=int,
+        default=None,
+        help="Mean tokens per document with --reset-attention-mask: attention then computes only within documents "
+        "(default: documents as long as the sequence, no saving assumed).",
+    )
     p.add_argument(
         "--verify", action="store_true", help="Simulate the top layout (tricorn simulate) and print measured beside estimated."
     )
@@ -84,9 +92,12 @@ def _table(plans: list[Plan]) -> str:
     return "\n".join(rows)
 
 
-def _emit(path: str, name: str, model: ModelConfig, top: Plan, cluster: Cluster, argv: list[str], args, gbs: int) -> None:
+def _emit(
+    path: str, name: str, model: ModelConfig, top: Plan, cluster: Cluster, argv: list[str], args, gbs: int, extra: list[str]
+) -> None:
     n = total_params(model)
     train = sbatch.model_args(name, model) + ["--seq-length", str(model.seq_length)] + sbatch.layout_args(top.layout, gbs)
+    train += extra
     train += sbatch.llama_hyperparameters(n, gbs * model.seq_length, args.train_tokens)
     save_every = max(10, int(1800 / top.step_time_s) // 10 * 10)  # about every 30 minutes
     train += ["--save-interval", str(save_every), "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "10"]
@@ -174,14 +185,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             )
         return 0 if best is not None else 1
     fp8 = Layout.from_config(cfg)  # the FP8 recipe in effect of --transformer-impl / --fp8-format / --fp8-recipe
-    result = plan(model, cluster, gbs, precision, args.top_k, fp8=(fp8.transformer_impl, fp8.fp8_recipe))
+    attention = _attention(cfg, args.document_length)
+    result = plan(model, cluster, gbs, precision, args.top_k, fp8=(fp8.transformer_impl, fp8.fp8_recipe), attention=attention)
     if not result.plans:
         print(f"tricorn plan: {explain_impossible(model, name, cluster, gbs, result, precision)}", file=sys.stderr)
         if args.json:
             print("[]")
         return 1
     if args.emit_sbatch:
-        _emit(args.emit_sbatch, name, model, result.plans[0], cluster, argv, args, gbs)
+        _emit(args.emit_sbatch, name, model, result.plans[0], cluster, argv, args, gbs, document_args(cfg))
     if args.quiet:
         return 0
     if args.json:
@@ -194,6 +206,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(
         f"{name}: {total_params(model) / 1e9:.2f} B parameters{_active_note(model)}, seq {model.seq_length}, global batch {gbs}, {precision}{fp8_text} on "
         f"{args.gpus} x {gpu.name} ({args.gpus_per_node} per node), {cluster.usable_bytes / GiB:.1f} GiB usable per GPU\n"
+        f"{_attention_text(model, attention, args.document_length)}"
         f"{result.considered} layouts considered, {result.fitting} fit, {result.ties} tie with the fastest; "
         f"top {len(result.plans)}, ties first (simplest first), then by predicted tokens/s:\n" + _table(result.plans)
     )
@@ -215,6 +228,35 @@ def main(argv: Optional[list[str]] = None) -> int:
             + format_table(records)
         )
     return 0
+
+
+def _attention(cfg, document_length: Optional[int]) -> Layout:
+    """What documents and a window change in every layout: the attention's work and per-sample RoPE rows."""
+    if document_length is not None and document_length < 1:
+        raise ConfigError(f"--document-length must be at least 1 token, got {document_length}")
+    docs = document_length if cfg.data.reset_attention_mask else None
+    return Layout(
+        attention_work=attention_work(cfg.model.seq_length, cfg.model.attention_window, docs),
+        per_sample_positions=cfg.data.reset_position_ids,
+    )
+
+
+def _attention_text(model: ModelConfig, attention: Layout, document_length: Optional[int]) -> str:
+    if attention.attention_work == 1.0:
+        return ""
+    parts = [f"window {model.attention_window}"] if model.attention_window is not None else []
+    parts += [f"documents of {document_length} tokens"] if document_length else []
+    return (
+        f"attention computes {attention.attention_work:.1%} of causal attention's (query, key) pairs ({', '.join(parts)}): "
+        "the step time counts that, MFU keeps Megatron's count\n"
+    )
+
+
+def document_args(cfg) -> list[str]:
+    """--reset-position-ids / --reset-attention-mask / --eod-mask-loss as given (they go into the sbatch script)."""
+    d = cfg.data
+    flags = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+    return ["--" + f.replace("_", "-") for f in flags if getattr(d, f)]
 
 
 def verify(name: str, model: ModelConfig, top: Plan, gpus: int, gbs: int, precision: str) -> tuple[list[str], list[dict]]:

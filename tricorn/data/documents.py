@@ -79,6 +79,14 @@ def apply_document_flags(
     return positions, bounds
 
 
+def bounds_rows(bounds: torch.Tensor) -> list[list[int]]:
+    """Each sample's document starts and the sequence end, the padding dropped: host integers (bounds is host memory)."""
+    rows = []
+    for row in bounds.tolist():
+        rows.append(row[: row.index(row[-1]) + 1])
+    return rows
+
+
 def starts_from_bounds(bounds: torch.Tensor) -> torch.Tensor:
     """[b, s] int64: the first token of each token's document, from [b, s + 1] bounds (for tests and references)."""
     b, width = bounds.shape

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from tricorn.attention_kernels import AttentionCall
+from tricorn.data.documents import bounds_rows
 from tricorn.model.attention_blocks import ANTICAUSAL, CAUSAL, UNMASKED, Block, attend, attend_backward
 
 Run = tuple[int, int, int]  # (first local row, its global position, length): a contiguous piece of the sequence
@@ -157,21 +158,11 @@ def _runs(flat: Sequence[int]) -> list[Run]:
     return [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
 
 
-def _bounds_rows(documents: Optional[torch.Tensor]) -> Optional[list[list[int]]]:
-    """Each sample's document starts and the sequence end (the padding dropped): host integers."""
-    if documents is None:
-        return None
-    rows = []
-    for row in documents.tolist():
-        s = row[-1]
-        rows.append(row[: row.index(s) + 1])
-    return rows
-
-
 def plan_for(q: torch.Tensor, documents: Optional[torch.Tensor], q_runs, k_runs, seq_length: int, window: int) -> list[Block]:
     if documents is not None and documents.shape[0] != q.shape[0]:
         raise ValueError(f"document bounds for {documents.shape[0]} samples, attention over {q.shape[0]}")
-    return plan(_runs(q_runs), _runs(k_runs), seq_length, None if window < 0 else window, _bounds_rows(documents))
+    rows = None if documents is None else bounds_rows(documents)
+    return plan(_runs(q_runs), _runs(k_runs), seq_length, None if window < 0 else window, rows)
 
 
 # ---------------------------------------------------------------- the custom ops

@@ -25,7 +25,8 @@ in the compute dtype, and sharded over the sequence (SP) or the tensor dimension
                                                       a2a k, v times the K/V replication, plus its head-sharded output
     mlp               3e f/(h t) SwiGLU               gate|up (2f, lean.swiglu) and its output (f, w2's input)
                       2e f/(h t) GeLU                 w1 output, gelu output
-    rope_tables       2esd in all: the cos and sin rows (compute dtype), not per sample, not split by TP
+    rope_tables       2esd in all: the cos and sin rows (compute dtype), not per sample, not split by TP;
+                      2esdb with --reset-position-ids (each sample's positions: rows per sample)
 
 Summed, with RMSNorm, RoPE and flash attention, no dropout, SP (and CPU, whose only difference is dropout):
 
@@ -226,6 +227,7 @@ def layer_activation_terms(
     etp: int = 1,
     compiled: bool = False,
     fp8_inputs: bool = False,
+    per_sample_positions: bool = False,
 ) -> LayerActivationTerms:
     """Bytes one layer keeps for backward for one microbatch of ``micro_batch`` x ``seq`` tokens on one rank, by
     term (the module docstring's table); ``seq`` is the rank's sequence length, after CP over ``cp`` ranks."""
@@ -241,6 +243,8 @@ def layer_activation_terms(
     norm = model.normalization
     qkv = e * s * b * (h + 2 * gd)
     rope_tables = profile.rope_rows * e * s * d if model.position_embedding_type == "rope" else 0.0
+    if per_sample_positions:  # --reset-position-ids: each sample's own cos / sin rows
+        rope_tables *= b
     if compiled:  # inductor's partitioner gathers the rows again in backward from the int64 position ids
         rope_tables = 0.0  # (8s bytes per chunk, kept by its first layer: see the module docstring)
     copies = profile.attention_output_copies - (1 if "core_attn" in selective else 0)
@@ -441,6 +445,7 @@ def layout_layer_bytes(model: ModelConfig, layout: Layout, profile: ActivationPr
         etp=layout.etp,
         compiled=layout.compiled,
         fp8_inputs=layout.fp8_inputs,
+        per_sample_positions=layout.per_sample_positions,
     )
     return layer_activation_bytes(model, **(kw | override), profile=profile)
 

@@ -21,6 +21,15 @@ Causal attention: by default the s^2 term is NOT halved - the causal mask's skip
 is the convention of Megatron-LM, PaLM and torchtitan, so our MFU compares with theirs (and it is what torch's
 FlopCounterMode counts). ``causal_halving=True`` halves it, which is closer to the work flash attention does.
 
+Documents and windows (--reset-attention-mask, --window-size) keep the model FLOPs and so MFU on Megatron's count
+(every query against all s keys), comparable with every published figure. The attention a sample really needs
+is reported beside it: ``useful_attention`` counts only the (query, key) pairs the rule allows (``causal_pairs``:
+s(s+1)/2 for causal attention over s tokens, fewer with a window, and a sum over the documents with them), and
+``useful_model`` is the model FLOPs with that attention instead of Megatron's. The trainer counts the pairs of
+its real batches (``useful_pairs``); the planner assumes documents of ``--document-length`` tokens
+(``attention_work``: the pairs computed over causal attention's, what the step-time model scales the attention
+core's time by).
+
 Hardware FLOPs add what is computed again: full recompute re-runs the forward of each recomputed layer;
 selective recompute re-runs the attention core (and the MLP when ``--recompute-modules`` names it); torch's
 non-reentrant checkpoint skips the layer's last matmul when recomputing (``recompute_early_stop``); flash
@@ -88,6 +97,33 @@ def mean_mlp_flops(model: ModelConfig) -> tuple[float, float]:
     return total / model.num_layers, down / model.num_layers
 
 
+def causal_pairs(n: int, window: Optional[int] = None) -> int:
+    """(query, key) pairs causal attention over n tokens computes, each query seeing at most window + 1 keys."""
+    if window is None or n <= window + 1:
+        return n * (n + 1) // 2
+    w = window + 1
+    return w * (w + 1) // 2 + (n - w) * w
+
+
+def useful_pairs(bounds_rows: Optional[list[list[int]]], samples: int, seq: int, window: Optional[int] = None) -> int:
+    """The pairs `samples` samples of `seq` tokens need: per document (bounds: each sample's starts, then seq; None:
+    one document per sample)."""
+    if bounds_rows is None:
+        return samples * causal_pairs(seq, window)
+    return sum(causal_pairs(end - start, window) for row in bounds_rows for start, end in zip(row, row[1:]) if end > start)
+
+
+def attention_work(seq: int, window: Optional[int] = None, document_length: Optional[int] = None) -> float:
+    """The pairs a sample computes over causal attention's s(s+1)/2, with documents of `document_length` tokens
+    filling it (the last one cut) and a window: 1.0 for plain causal attention."""
+    if document_length is None or document_length >= seq:
+        pairs = causal_pairs(seq, window)
+    else:
+        full, rest = divmod(seq, document_length)
+        pairs = full * causal_pairs(document_length, window) + causal_pairs(rest, window)
+    return pairs / causal_pairs(seq)
+
+
 @dataclass(frozen=True)
 class IterationFlops:
     """FLOPs of one training iteration over all ranks."""
@@ -96,10 +132,17 @@ class IterationFlops:
     recompute: float  # activation recomputation (full or selective)
     attention_backward_recompute: float  # flash attention's backward recomputing Q K^T
     tokens: int
+    attention: float = 0.0  # of `model`: the attention core's forward + backward as counted (every query, all keys)
+    useful_attention: float = 0.0  # the attention core's forward + backward over the pairs the rule allows
 
     @property
     def hardware(self) -> float:
         return self.model + self.recompute + self.attention_backward_recompute
+
+    @property
+    def useful_model(self) -> float:
+        """Model FLOPs with the attention each sample needs (causal, documents, window) instead of Megatron's count."""
+        return self.model - self.attention + self.useful_attention
 
 
 def iteration_flops(
@@ -114,6 +157,7 @@ def iteration_flops(
     flash_attention: bool = True,
     causal_halving: bool = False,
     recompute_early_stop: bool = True,
+    attention_fraction: float = 1.0,
 ) -> IterationFlops:
     """FLOPs of one iteration. ``vocab_size`` is the padded vocabulary the head computes (default: padded for TP=1).
 
@@ -121,6 +165,7 @@ def iteration_flops(
     ``recompute_early_stop``: torch's non-reentrant checkpoint stops recomputing once every tensor backward needs
     is back, so the layer's last matmul (the MLP down projection, whose output nothing saves) is not re-run.
     Megatron's reentrant recompute re-runs the whole layer: pass False for its count.
+    ``attention_fraction``: the (query, key) pairs the attention needs over causal attention's (``attention_work``).
     """
     s = seq_length or model.seq_length
     vocab = vocab_size if vocab_size is not None else model.padded_vocab_size(1)
@@ -141,7 +186,10 @@ def iteration_flops(
     else:
         raise ValueError(f"unknown recompute granularity '{recompute_granularity}'")
     attn_bwd = tokens * model.num_layers * layer.core / 2 if flash_attention else 0.0
-    return IterationFlops(model_flops, recompute, attn_bwd, tokens)
+    attention = 3 * tokens * model.num_layers * layer.core
+    q_width = model.num_attention_heads * model.head_dim
+    useful = 3 * tokens * model.num_layers * 4 * q_width * (s + 1) / 2 * attention_fraction  # (s + 1) / 2 keys a query
+    return IterationFlops(model_flops, recompute, attn_bwd, tokens, attention, useful)
 
 
 def recomputed_layer_count(cfg: Config) -> int:
@@ -172,7 +220,13 @@ def iteration_flops_for_config(
         recomputed_layers=recomputed_layer_count(cfg),
         flash_attention=flash_attention,
         causal_halving=causal_halving,
+        attention_fraction=attention_work(m.seq_length, m.attention_window),
     )
+
+
+def useful_attention_flops(model: ModelConfig, pairs: int) -> float:
+    """Forward + backward FLOPs of the attention core over `pairs` (query, key) pairs, all layers (Q K^T and P V)."""
+    return 3 * model.num_layers * 4 * model.num_attention_heads * model.head_dim * pairs
 
 
 # ---------------------------------------------------------------- published formulas

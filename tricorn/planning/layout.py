@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from tricorn.config import Config, default_bucket_elements
+from tricorn.planning.flops import attention_work
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class Layout:
     transformer_impl: str = "local"  # --transformer-impl
     fp8_recipe: Optional[str] = None  # the FP8 recipe in effect (planning/fp8_terms.py); None: no FP8
     fp8_inputs: bool = False  # native FP8, tensorwise: the linears keep FP8 copies of their inputs (activations.py)
+    # Documents / window: the (query, key) pairs attention computes over causal attention's (flops.attention_work),
+    # what the step-time model scales the attention core by; positions per sample (--reset-position-ids): RoPE's
+    # cos / sin rows are kept per sample (activations.py).
+    attention_work: float = 1.0
+    per_sample_positions: bool = False
 
     @property
     def world_size(self) -> int:
@@ -91,4 +97,6 @@ class Layout:
             if t.fp8_format
             else None,
             fp8_inputs=bool(t.fp8_format) and m.transformer_impl == "local" and (t.fp8_recipe or "tensorwise") == "tensorwise",
+            attention_work=attention_work(m.seq_length, m.attention_window),  # the documents are not known here
+            per_sample_positions=cfg.data.reset_position_ids,
         )

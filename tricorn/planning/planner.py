@@ -155,9 +155,11 @@ def layout_groups(
     global_batch: int,
     precision: str = "bf16",
     fp8: tuple[str, Optional[str]] = ("local", None),
+    attention: Optional[Layout] = None,
 ) -> Iterator[list[Layout]]:
     """Layouts in groups that differ only in the micro batch, smallest first (memory grows along a group).
-    ``fp8``: (--transformer-impl, the FP8 recipe in effect or None); Transformer Engine's FP8 takes no recompute."""
+    ``fp8``: (--transformer-impl, the FP8 recipe in effect or None); Transformer Engine's FP8 takes no recompute.
+    ``attention``: a layout whose attention_work and per_sample_positions every layout takes (documents, window)."""
     impl, recipe = fp8
     recomputes = RECOMPUTE[:1] if impl == "transformer_engine" and recipe else RECOMPUTE
     for tp, cp, pp, ep, split in _grids(model, cluster, global_batch):
@@ -165,6 +167,10 @@ def layout_groups(
         base = Layout(tp=tp, pp=pp, cp=cp, dp=dp, sequence_parallel=sequence_parallel(model, tp), precision=precision, ep=ep)
         base = dataclasses.replace(base, transformer_impl=impl, fp8_recipe=recipe)
         base = dataclasses.replace(base, first_stage_layers=split[0], last_stage_layers=split[1])
+        if attention is not None:
+            base = dataclasses.replace(
+                base, attention_work=attention.attention_work, per_sample_positions=attention.per_sample_positions
+            )
         for comm in cp_comm_types(model, tp, cp):
             yield from _groups(
                 model, global_batch, dataclasses.replace(base, cp_comm_type=comm), pp, dp, cp, ep, split, recomputes
@@ -358,10 +364,11 @@ def plan(
     precision: str = "bf16",
     top_k: int = 5,
     fp8: tuple[str, Optional[str]] = ("local", None),
+    attention: Optional[Layout] = None,
 ) -> PlanResult:
     fits: list[Plan] = []
     considered, leanest = 0, None
-    for group in layout_groups(model, cluster, global_batch, precision, fp8):
+    for group in layout_groups(model, cluster, global_batch, precision, fp8, attention):
         considered += len(group)
         for lay in group:  # memory grows with the micro batch: stop at the first that does not fit
             mem = worst_memory(model, lay)

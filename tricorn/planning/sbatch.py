@@ -293,9 +293,10 @@ def model_args(name: str, model) -> list[str]:
     """pretrain_gpt.py flags for a model: its preset's name, or its shape (mixture-of-experts flags included)."""
     from tricorn.config import PRESETS
 
+    window = ["--window-size", ",".join(str(x) for x in model.window_size)] if model.window_size else []
     if name in PRESETS:
-        return ["--model-preset", name]
-    args = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size)]
+        return ["--model-preset", name, *window]
+    args = [*window, "--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size)]
     args += ["--ffn-hidden-size", str(model.ffn_size), "--num-attention-heads", str(model.num_attention_heads)]
     if model.group_query_attention:
         args += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]

@@ -181,7 +181,9 @@ def _layer(model: ModelConfig, lay: Layout, cluster: Cluster, features: RunFeatu
     mlp_down = _gemm_time(2 * tokens * f * h, min(tokens, h, f), peak, eff.gemm)
     gemm_fwd = qkv + proj + mlp_up + mlp_down
     block = model.seq_length / (2 * cp) if cp > 1 else model.seq_length  # CP's load-balanced query/key chunks
-    core_flops = 4 * tokens * model.seq_length * q / tp  # every query against all keys of the sequence
+    # Every query against all keys of the sequence (the calibration's causal attention), scaled by the pairs a
+    # window and documents leave (flops.attention_work; masking.py never calls a block no document spans).
+    core_flops = 4 * tokens * model.seq_length * q / tp * lay.attention_work
     core_fwd = core_flops / (peak16 * eff.attention * block / (block + HALF_DIM))
     norm_fwd = 2 * 2 * tokens * h * e / (tp if lay.sequence_parallel else 1) / cluster.gpu.hbm_bytes_per_s
     if lay.recompute == "full":

@@ -13,13 +13,15 @@ mfu (percent; needs a peak: the GPU table or --peak-tflops), mem-allocated-bytes
 mem-max-allocated-bytes (CUDA allocator; process RSS on CPU; the largest rank), and with
 --timing-log-level >= 1 "<phase>-time" (s per iteration; level 2 adds -min/-max over ranks); with more than
 one rank straggler-slowest-rank, straggler-slowest-seconds and straggler-median-seconds (stragglers.py); with
---check-for-spiky-loss spiky-iterations (spikes.py).
+--check-for-spiky-loss spiky-iterations (spikes.py); with --reset-attention-mask or --window-size useful-throughput
+(TFLOP/s per device counting the attention over the (query, key) pairs the batches' documents and the window allow,
+instead of Megatron's every query against all s keys; throughput and MFU keep Megatron's count).
 FLOPs come from tricorn.planning.flops (model FLOPs for throughput and MFU; hardware FLOPs with
 recomputation in the start-up block). The metrics-file records keep the iteration's own values.
 
 Collectives (all ranks call the methods that have them): at start-up one all-gather of parameter
 counts; each log one all-reduce (max) of a few scalars (memory; level-2 timers), plus one scalar
-all-reduce over TP x PP for params-norm. These are logging-time only: nothing is added inside an
+all-reduce over TP x PP for params-norm and, with documents or a window, one over DP of the attention pairs (loop.py). These are logging-time only: nothing is added inside an
 iteration at --timing-log-level 0. No device memory beyond those scalars.
 """
 
@@ -36,7 +38,7 @@ from typing import Any, Optional
 import torch
 
 from tricorn.config import Config, dump_yaml
-from tricorn.planning.flops import IterationFlops, iteration_flops_for_config, mfu, tflops_per_device
+from tricorn.planning.flops import IterationFlops, iteration_flops_for_config, mfu, tflops_per_device, useful_attention_flops
 from tricorn.planning.hardware import detect_gpu_type, mfu_dtype, peak_tflops
 from tricorn.timers import PHASES, Timers
 from tricorn.training.measurements import max_over_ranks, memory_bytes, parameter_counts, params_norm
@@ -118,6 +120,8 @@ class Interval:
     tflops: float  # model TFLOP/s per device
     mfu_pct: Optional[float]
     consumed_samples: int
+    # Documents / window: TFLOP/s per device with the attention the samples needed (flops.py's useful_model)
+    useful_tflops: Optional[float] = None
 
     @property
     def seconds_per_iteration(self) -> float:
@@ -302,6 +306,7 @@ class MetricsLogger:
             "mem-max-allocated-bytes": mem_max,
             **({"params-norm": pnorm} if pnorm is not None else {}),
             **({"mfu": iv.mfu_pct} if iv.mfu_pct is not None else {}),
+            **({"useful-throughput": iv.useful_tflops} if iv.useful_tflops is not None else {}),
         }
         straggler = getattr(trainer, "straggler_report", None)  # slowest rank and median (stragglers.py)
         if straggler is not None:
@@ -329,6 +334,7 @@ class MetricsLogger:
                 "mem_max_allocated_bytes": mem_max,
                 **({"params_norm": pnorm} if pnorm is not None else {}),
                 **({"mfu": iv.mfu_pct} if iv.mfu_pct is not None else {}),
+                **({"useful_tflops_per_device": iv.useful_tflops} if iv.useful_tflops is not None else {}),
                 **({"timers": phase_times} if phase_times else {}),
                 **({"straggler": straggler.scalars()} if straggler is not None else {}),
             },
@@ -343,6 +349,12 @@ class MetricsLogger:
         good = [r.loss for r in results if not r.skipped and math.isfinite(r.loss)]
         model_flops = sum(self.flops(r.global_batch_size).model for r in results)
         peak = self.peak_tflops
+        useful = None
+        pairs = getattr(trainer, "useful_attention_pairs", None)
+        if pairs is not None:  # Megatron's attention count out, the pairs the batches needed in (flops.py)
+            counted = sum(self.flops(r.global_batch_size).attention for r in results)
+            useful_flops = model_flops - counted + useful_attention_flops(cfg.model, pairs)
+            useful = tflops_per_device(useful_flops, seconds, cfg.world_size)
         return Interval(
             count=len(results),
             seconds=seconds,
@@ -353,6 +365,7 @@ class MetricsLogger:
             tflops=tflops_per_device(model_flops, seconds, cfg.world_size),
             mfu_pct=100 * mfu(model_flops, seconds, cfg.world_size, peak) if peak else None,
             consumed_samples=trainer.train_loader.consumed_samples,
+            useful_tflops=useful,
         )
 
     def _reduce_over_ranks(
@@ -444,6 +457,7 @@ def _console_line(
         f"tokens/s: {iv.tokens_per_sec:.0f}",
         f"TFLOP/s per device: {iv.tflops:.3g}",
         *([f"MFU: {iv.mfu_pct:.1f}%"] if iv.mfu_pct is not None else []),
+        *([f"useful TFLOP/s per device: {iv.useful_tflops:.3g}"] if iv.useful_tflops is not None else []),
         *([straggler.console()] if straggler is not None else []),
         f"ETA: {format_duration(eta)}",
     ]

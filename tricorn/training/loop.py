@@ -30,11 +30,13 @@ from torch import nn
 
 from tricorn.config import Config
 from tricorn.data.base import Batch, GlobalBatchLoader
+from tricorn.data.documents import bounds_rows
 from tricorn.parallel.batch_schedule import MicrobatchCalculator
 from tricorn.parallel.context import slice_batch
 from tricorn.parallel.expert import MoEMonitor
 from tricorn.parallel.state import ParallelState
 from tricorn.parallel.step import StepContext, forward_backward_no_pipelining
+from tricorn.planning.flops import useful_pairs
 from tricorn.timers import (
     CHECKPOINT_STALL,
     DATA_LOADING,
@@ -95,6 +97,14 @@ class Trainer:
     spikes: Optional[SpikeGuard] = None  # --check-for-spiky-loss: skips spiky iterations on the device (spikes.py)
     stragglers: Optional[StragglerMonitor] = None  # each rank's own work, gathered at log lines (stragglers.py)
     straggler_report: Optional[StragglerReport] = None  # of the last log line (logging.py shows it)
+    # Documents / window: the (query, key) pairs this rank's samples needed since the last log line (host ints), and
+    # at the log line the global batch's (summed over DP): logged as useful attention FLOPs beside MFU (flops.py).
+    attention_pairs: Optional[int] = None
+    useful_attention_pairs: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.cfg.data.reset_attention_mask or self.cfg.model.attention_window is not None:
+            self.attention_pairs = 0
 
     # ------------------------------------------------------------ batches
 
@@ -190,6 +200,9 @@ class Trainer:
         self.optimizer.set_lr(lr)
         with self.timers(DATA_LOADING), self._own_work():
             batch = self.train_loader.next(gbs)
+        if self.attention_pairs is not None:  # host integers of the host batch: nothing waits for the device
+            rows = None if batch.documents is None else bounds_rows(batch.documents)
+            self.attention_pairs += useful_pairs(rows, len(batch), self.cfg.model.seq_length, self.cfg.model.attention_window)
         maybe_inject(self.state.rank, self.iteration)  # tests only: $TRICORN_TEST_FAULT kills/stops/stalls a rank
         loss, info = self.train_step(batch, nmb)
         t = self.cfg.training
@@ -247,6 +260,7 @@ class Trainer:
             "moe": self.moe.collect() if self.moe is not None else None,
             "stragglers": self.stragglers.gather(len(self.unlogged)) if self.stragglers is not None else None,
             "spikes": self.spikes.records() if self.spikes is not None else None,
+            "pairs": self._global_attention_pairs(),
         }
         present = {k: t.flatten() for k, t in extras.items() if t is not None}
         flat = self.materialize(torch.cat(list(present.values())) if present else None)
@@ -255,6 +269,8 @@ class Trainer:
             values[k], flat = flat[: t.numel()], flat[t.numel() :]
         if self.stragglers is not None:
             self.straggler_report = self.stragglers.report(values["stragglers"], self.iteration)
+        if "pairs" in values:
+            self.useful_attention_pairs, self.attention_pairs = int(values["pairs"][0]), 0
         self.logger.log_iteration(self)
         if self.moe is not None:
             moe = self.moe.values(values["moe"])
@@ -263,6 +279,14 @@ class Trainer:
         if self.spikes is not None:  # after the iteration's line: names the spiky iterations, may stop the run
             self.logger.scalars(self.iteration, self.spikes.report(values.get("spikes", []), self.iteration, self.logger.console))
             self.spikes.check_limit(self.iteration)
+
+    def _global_attention_pairs(self) -> Optional[torch.Tensor]:
+        """The pairs every DP rank's samples needed since the last log line (one all-reduce, at log lines only)."""
+        if self.attention_pairs is None:
+            return None
+        pairs = torch.full((1,), float(self.attention_pairs), dtype=torch.float64, device=self.state.device)
+        dist.all_reduce(pairs, group=self.state.dp_group)
+        return pairs
 
     def train(self) -> None:
         t, d = self.cfg.training, self.cfg.data
