@@ -21,6 +21,7 @@ from tricorn.data.documents import starts_from_bounds
 from tricorn.data.loader import build_loaders
 from tricorn.model.transformer import GPTModel
 from tricorn.planning.activations import layout_layer_bytes
+from tricorn.planning.flops import iteration_flops_for_config, useful_attention_flops
 from tricorn.planning.layout import Layout
 
 DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
@@ -56,6 +57,13 @@ def test_first_loss_equals_float64_reference(tmp_path, corpus, extra):
     # The trainer runs fp32; the reference float64 with an explicit mask: FP32_RTOL bounds fp32's reordering
     # (tests/harness.py), and a mask or position off by one token moves the loss by ~1e-3.
     assert abs(run.losses[0] - want) <= FP32_RTOL * abs(want), (run.losses[0], want)
+    # Beside Megatron's throughput, the useful one counts the attention pairs these very samples allow (flops.py).
+    f = iteration_flops_for_config(cfg)
+    pairs = int(allowed.sum())
+    useful = (f.model - f.attention + useful_attention_flops(cfg.model, pairs)) / f.model
+    rec = run.records[0]
+    # Two float64 quotients of the same iteration time: they differ by rounding only (~1e-16).
+    assert rec["useful_tflops_per_device"] / rec["tflops_per_device"] == pytest.approx(useful, rel=1e-12)
 
 
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]

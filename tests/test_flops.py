@@ -213,3 +213,33 @@ def test_exact_count_sees_recompute(reentrant: bool) -> None:
     assert flops.count_matmul_flops(step) == pytest.approx(f.hardware, rel=1e-12)
     # isclose's default rel 1e-9: recompute adds whole layers (~25%), far above it.
     assert not math.isclose(f.hardware, f.model)
+
+
+@pytest.mark.parametrize("window", [None, 0, 1, 5, 63, 64, 200])
+def test_useful_pairs_count_what_the_mask_allows(window) -> None:
+    """causal_pairs / useful_pairs against the explicit mask of the rule (tests/document_reference.py): exact integers."""
+    from document_reference import allowed_mask
+
+    from tricorn.data.documents import bounds_rows, document_bounds, starts_from_bounds
+
+    s = 64
+    tokens = torch.randint(0, 6, (3, s), generator=torch.Generator().manual_seed(3))
+    bounds = document_bounds(tokens, eod=0)
+    allowed = allowed_mask(s, starts_from_bounds(bounds), window, 3)
+    assert flops.useful_pairs(bounds_rows(bounds), 3, s, window) == int(allowed.sum())
+    assert flops.useful_pairs(None, 3, s, window) == int(allowed_mask(s, None, window, 3).sum())
+    assert flops.attention_work(s, window, 16) == int(allowed_mask(16, None, window, 1).sum()) * 4 / (s * (s + 1) / 2)
+
+
+def test_documents_and_windows_keep_megatrons_model_flops() -> None:
+    """MFU's numerator stays Megatron's count; the useful attention is what the window leaves of causal attention."""
+    m = ModelConfig(**PRESETS["llama3-8b"])
+    plain = flops.iteration_flops(m, 8)
+    windowed = flops.iteration_flops(m, 8, attention_fraction=flops.attention_work(m.seq_length, 1023))
+    assert windowed.model == plain.model and windowed.attention == plain.attention
+    # Causal attention needs (s + 1) / 2s of Megatron's s^2 count; a 1024-key window about 1024/s of it. Exact
+    # float64 ratios of integers: the default rel 1e-6 only absorbs rounding.
+    s = m.seq_length
+    assert plain.useful_attention == pytest.approx(plain.attention * (s + 1) / (2 * s))
+    assert windowed.useful_attention == pytest.approx(plain.attention * flops.causal_pairs(s, 1023) / s**2)
+    assert windowed.useful_model == pytest.approx(plain.model - plain.attention + windowed.useful_attention)

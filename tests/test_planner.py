@@ -227,3 +227,17 @@ def test_planner_considers_the_zero_bubble_schedules_and_writes_the_flag() -> No
         cfg = config_from_args(args, world_size=64)
         assert cfg.parallel.pipeline_schedule == p.layout.schedule and cfg.virtual_stages == p.layout.vpp
         assert validate_pipeline(cfg) == []
+
+
+def test_documents_and_windows_shrink_the_attention_time_not_the_model_flops(capsys) -> None:
+    """--reset-attention-mask with --document-length and --window-size scale the attention core's time by the pairs
+    they leave (flops.attention_work); the plan says so, and its sbatch script carries the flags."""
+    m = ModelConfig(**{**PRESETS["llama3-8b"], "seq_length": 8192, "max_position_embeddings": 8192})
+    cluster = Cluster(8, 8, H100, 989.0)
+    base = Layout(tp=2, pp=1, dp=4, num_microbatches=64, sequence_parallel=True, zero_stage=1)
+    short = Layout(**{**base.__dict__, "attention_work": 0.125})
+    assert step_time(m, short, cluster, 256)[0] < 0.9 * step_time(m, base, cluster, 256)[0]
+    argv = "--model-preset llama3-8b --gpus 8 --gpu-type h100-80gb --seq-length 8192 --max-position-embeddings 8192".split()
+    argv += ["--global-batch-size", "256", "--reset-attention-mask", "--eod-mask-loss", "--window-size", "4095,0"]
+    assert plan_cli.main([*argv, "--document-length", "1024", "--top-k", "1"]) == 0
+    assert "(window 4095, documents of 1024 tokens)" in capsys.readouterr().out
