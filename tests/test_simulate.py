@@ -130,8 +130,11 @@ def test_zero_stage_without_distributed_optimizer_is_zero_2_3():
 
 
 def test_context_parallel_layer_bytes_match_the_simulation():
-    """(b) CP keeps the all-gathered K/V and the [s/cp, s] mask: per layer exactly what the probe measures."""
-    for precision in ([], ["--bf16"]):
+    """(b) CP keeps the all-gathered K/V and the [s/cp, s] mask: per layer exactly what the probe measures. The bf16
+    run also has documents and a window: RoPE rows per sample (--reset-position-ids), and the masked attention keeps
+    what flash keeps (tricorn/model/masking.py)."""
+    documents = ["--reset-position-ids", "--reset-attention-mask", "--window-size", "63"]
+    for precision in ([], ["--bf16", *documents]):
         argv = ["--model-preset", "tiny", "--vocab-size", "256", "--context-parallel-size", "2", "--seq-length", "256"]
         cfg = config_for_simulation([*argv, "--max-position-embeddings", "256", "--global-batch-size", "4", *precision], 4)
         (r,) = simulate(cfg, [0], iters=1)
@@ -185,3 +188,4 @@ def test_planner_memory_equals_a_dry_run_of_its_flags():
     lay = Layout(tp=1, pp=1, dp=2048, micro_batch=1, num_microbatches=1, zero_stage=3, recompute="full")
     flags = ["--model-preset", "llama2-7b", "--bf16", "--seq-length", "4096", *layout_args(lay, 2048)]
     assert worst_memory(cfg.model, lay) == pytest.approx(estimate_config(config_for_estimate(flags, 2048)).total_bytes)
+

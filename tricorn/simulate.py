@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from typing import Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from tricorn.config import Config, ConfigError, build_parser
 from tricorn.data.base import Batch
@@ -75,18 +75,27 @@ class SimulationMode(FakeTensorMode):
 
 
 class SyntheticLoader:
-    """The loader contract (data/base.py) with all-zero tokens: the shapes of real data, none of its cost."""
+    """The loader contract (data/base.py) with all-zero tokens: the shapes of real data, none of its cost. With
+    --reset-position-ids / --reset-attention-mask it hands out positions per sample and document bounds (one document
+    per sample: what attention saves and sends does not depend on where documents end, tricorn/model/masking.py)."""
 
     def __init__(self, cfg: Config, dp_size: int):
         self.seq_length = cfg.model.seq_length
         self.dp_size = dp_size
         self.consumed_samples = 0
+        self.positions, self.documents = cfg.data.reset_position_ids, cfg.data.reset_attention_mask
 
     def next(self, global_batch_size: int) -> Batch:
         per_rank = global_batch_size // self.dp_size
         self.consumed_samples += global_batch_size
-        ids = torch.zeros(per_rank, self.seq_length, dtype=torch.long)
-        return Batch(ids, ids.clone(), torch.ones(per_rank, self.seq_length))
+        s = self.seq_length
+        ids = torch.zeros(per_rank, s, dtype=torch.long)
+        positions = torch.zeros(per_rank, s, dtype=torch.long) if self.positions else None
+        documents = None
+        if self.documents:  # real host memory, as the loader's: attention reads it on the host to plan its calls
+            with unset_fake_temporarily():
+                documents = torch.full((per_rank, s + 1), s, dtype=torch.int32).index_fill_(1, torch.tensor([0]), 0)
+        return Batch(ids, ids.clone(), torch.ones(per_rank, s), None, positions, documents)
 
 
 # ---------------------------------------------------------------- which ranks
