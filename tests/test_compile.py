@@ -144,6 +144,23 @@ def test_compiled_layout_equals_eager(name, tmp_path, compile_env):
     _assert_equal_to_eager(FLAGS + extra, nproc, tmp_path, compile_env, FLAGS)
 
 
+def test_documents_and_window_compile_once(tmp_path_factory, tmp_path, compile_env):
+    """--reset-position-ids, --reset-attention-mask, --eod-mask-loss and --window-size on a packed corpus: compiled ==
+    eager, one graph per layer (the masked attention is one opaque op, tricorn/model/masking.py), no recompilation
+    although every microbatch has other documents, and the probe == the compile-mode estimate."""
+    from document_reference import packed_corpus
+    from test_document_attention import DOCUMENTS, WINDOW, data_flags
+
+    flags = data_flags(packed_corpus(tmp_path_factory.mktemp("packed") / "documents"), FLAGS) + DOCUMENTS + WINDOW
+    run = _assert_equal_to_eager(flags, 1, tmp_path, compile_env, flags, bytes_rtol=None)
+    assert " 0 graph breaks" in run.stdout, run.stdout[-2000:]
+    # The chunk's first compiled layer keeps the positions RoPE is gathered by: per sample here, [s, b] int64.
+    cfg = config_from_args(flags + COMPILE, world_size=1)
+    b, s = cfg.training.micro_batch_size, cfg.model.seq_length
+    expected = layout_layer_bytes(cfg.model, Layout.from_config(cfg)) + 8 * s * b / cfg.model.num_layers
+    assert saved_bytes_per_layer(tmp_path / "tb") == [expected]
+
+
 def test_moe_ep2_compiles_the_dense_parts(tmp_path, compile_env):
     """MoE: what a rank's experts keep depends on the routing, so the compiled layers' bytes are compared with
     the eager run's at the same layout: less the RoPE rows (2 e s d), plus the chunk's position ids (8 s)."""

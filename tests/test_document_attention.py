@@ -34,9 +34,11 @@ def corpus(tmp_path_factory) -> str:
     return packed_corpus(tmp_path_factory.mktemp("packed") / "documents")
 
 
-def data_flags(corpus: str) -> list[str]:
-    base = [f for f in BASE_FLAGS if f != "--mock-data"]
-    return base + GQA + ["--data-path", corpus, "--tokenizer-type", "NullTokenizer", "--split", "1,0,0", "--eval-iters", "0"]
+def data_flags(corpus: str, base: list[str] = BASE_FLAGS) -> list[str]:
+    """`base` on the packed corpus instead of mock data (GQA unless `base` has its own)."""
+    gqa = [] if "--group-query-attention" in base else GQA
+    data = ["--data-path", corpus, "--tokenizer-type", "NullTokenizer", "--split", "1,0,0", "--eval-iters", "0"]
+    return [f for f in base if f != "--mock-data"] + gqa + data
 
 
 @pytest.mark.parametrize("extra", [DOCUMENTS, WINDOW, DOCUMENTS + WINDOW], ids=["documents", "window", "both"])
@@ -78,8 +80,7 @@ LAYOUTS = {
     "cp2-a2a-selective-recompute": (2, CP2 + ["--cp-comm-type", "a2a"] + SELECTIVE),
     "cp2-allgather": (2, CP2 + ["--cp-comm-type", "allgather"]),
     "cp2-tp2-sp": (4, CP2 + TP2_SP),
-    "compile": (1, ["--torch-compile"]),
-}
+}  # --torch-compile: tests/test_compile.py (its inductor cache holds the head region already)
 
 
 PROBED = ("tp2-sp", "cp2-allgather")

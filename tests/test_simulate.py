@@ -188,4 +188,3 @@ def test_planner_memory_equals_a_dry_run_of_its_flags():
     lay = Layout(tp=1, pp=1, dp=2048, micro_batch=1, num_microbatches=1, zero_stage=3, recompute="full")
     flags = ["--model-preset", "llama2-7b", "--bf16", "--seq-length", "4096", *layout_args(lay, 2048)]
     assert worst_memory(cfg.model, lay) == pytest.approx(estimate_config(config_for_estimate(flags, 2048)).total_bytes)
-

@@ -182,6 +182,7 @@ class LayerActivationTerms:
     fp8_scales: float = 0.0  # native FP8 tensorwise: the fp32 scales each FP8 linear keeps
     layer_input: float = 0.0  # full recompute: the checkpoint's input (one per group of N layers)
     rng_state: float = 0.0  # compiled selective core_attn: the generator state its replay restores
+    document_bounds: float = 0.0  # compiled --reset-attention-mask on CPU: the bounds the masked op's backward keeps
 
     @property
     def total(self) -> float:
@@ -228,6 +229,7 @@ def layer_activation_terms(
     compiled: bool = False,
     fp8_inputs: bool = False,
     per_sample_positions: bool = False,
+    document_bounds: bool = False,
 ) -> LayerActivationTerms:
     """Bytes one layer keeps for backward for one microbatch of ``micro_batch`` x ``seq`` tokens on one rank, by
     term (the module docstring's table); ``seq`` is the rank's sequence length, after CP over ``cp`` ranks."""
@@ -247,6 +249,9 @@ def layer_activation_terms(
         rope_tables *= b
     if compiled:  # inductor's partitioner gathers the rows again in backward from the int64 position ids
         rope_tables = 0.0  # (8s bytes per chunk, kept by its first layer: see the module docstring)
+    # Compiled, the masked op's backward takes the int32 document bounds [b, s + 1] as a saved input: host memory,
+    # which only a CPU run counts (tricorn/model/masking.py).
+    bounds = 4.0 * (cp * s + 1) * b if compiled and document_bounds and device == "cpu" else 0.0
     copies = profile.attention_output_copies - (1 if "core_attn" in selective else 0)
     if "core_attn" in selective:
         core = 0.0
@@ -281,6 +286,7 @@ def layer_activation_terms(
         attention_core=core / tp,
         mlp=0.0 if "mlp" in selective else mlp_activation_bytes(model, e, s * b, tp, "mlp_act" in selective, sp_div, etp),
         rng_state=rng_state,
+        document_bounds=bounds,
     )
     return _with_fp8_inputs(terms, model, e, s * b, sp_div, tp, selective, copies) if fp8_inputs else terms
 
@@ -446,6 +452,7 @@ def layout_layer_bytes(model: ModelConfig, layout: Layout, profile: ActivationPr
         compiled=layout.compiled,
         fp8_inputs=layout.fp8_inputs,
         per_sample_positions=layout.per_sample_positions,
+        document_bounds=layout.document_bounds,
     )
     return layer_activation_bytes(model, **(kw | override), profile=profile)
 

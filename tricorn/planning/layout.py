@@ -49,6 +49,7 @@ class Layout:
     # cos / sin rows are kept per sample (activations.py).
     attention_work: float = 1.0
     per_sample_positions: bool = False
+    document_bounds: bool = False  # --reset-attention-mask: the attention's host bounds (compiled: saved, activations.py)
 
     @property
     def world_size(self) -> int:
@@ -99,4 +100,5 @@ class Layout:
             fp8_inputs=bool(t.fp8_format) and m.transformer_impl == "local" and (t.fp8_recipe or "tensorwise") == "tensorwise",
             attention_work=attention_work(m.seq_length, m.attention_window),  # the documents are not known here
             per_sample_positions=cfg.data.reset_position_ids,
+            document_bounds=cfg.data.reset_attention_mask,
         )
