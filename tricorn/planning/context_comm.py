@@ -20,7 +20,13 @@ larger of its forward and backward: p2p forward two K/V pairs in flight (the sta
 and the fp32 output / lse accumulators, backward the two pairs, the fp32 dq and three fp32 dK/dV pairs;
 allgather the gathered K/V in rank order while it is put in sequence order, and in backward the fp32 dk / dv
 of the whole sequence with their reduce-scatter inputs; a2a one send and one receive buffer of the largest
-tensor it moves, in backward for dq, dk and dv at once. No collectives, no device work.
+tensor it moves, in backward for dq, dk and dv at once.
+
+Documents and windows (tricorn/model/masking.py) add the masked op's own buffers (``masked_transient_bytes``):
+forward its output and lse before they are merged or returned, backward its dq, dk and dv in the compute dtype and,
+where its blocks share rows or keys (window tiles, a CP step's two query chunks), fp32 accumulators of the same
+sizes; the keys are the whole sequence's under allgather. Counted from the code's allocations, not measured (a
+fake-tensor simulation runs the op's shapes only). No collectives, no device work.
 """
 
 from __future__ import annotations
@@ -93,4 +99,19 @@ def cp_transient_bytes(model: ModelConfig, layout: Layout) -> float:
     pair = 2 * n
     forward = 2 * pair * e + 4 * q + lse
     backward = 2 * pair * e + 4 * q + 3 * 4 * pair
+    return max(forward, backward)
+
+
+def masked_transient_bytes(model: ModelConfig, layout: Layout) -> float:
+    """The masked attention op's buffers beyond its saved tensors (module docstring); 0 without documents or window."""
+    if not (layout.document_bounds or model.attention_window is not None):
+        return 0.0
+    e = activation_element_bytes(layout.precision)
+    n, q, reps = _shares(model, layout)
+    if layout.cp > 1 and layout.cp_comm_type == "allgather":
+        n *= layout.cp  # the gathered keys
+    elif layout.cp > 1 and layout.cp_comm_type == "a2a":
+        n *= reps  # the whole sequence of H/CP heads: q's bytes, K/V with its replication
+    forward = q * e + 4 * q / model.head_dim
+    backward = (q + 2 * n) * (e + 4)
     return max(forward, backward)

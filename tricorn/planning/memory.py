@@ -51,7 +51,7 @@ from tricorn.planning.activations import (  # noqa: F401 - re-exported: the esti
     other_saved_bytes,
     stage_activation_bytes,
 )
-from tricorn.planning.context_comm import cp_transient_bytes
+from tricorn.planning.context_comm import cp_transient_bytes, masked_transient_bytes
 from tricorn.planning.fp8_terms import fp8_terms
 from tricorn.planning.layout import Layout
 from tricorn.planning.zero_bubble_memory import experts_defer, zero_bubble_activation_peak
@@ -448,7 +448,7 @@ def estimate(
         # Likewise a layer's CP attention buffers in flight (context_comm.py: K/V pairs, fp32 accumulators).
         zero_bubble = layout.pp > 1 and layout.schedule in ZERO_BUBBLE
         moe = moe_backward_workspace(model, layout, deferred=zero_bubble and experts_defer(layout))
-        workspace = max(moe, cp_transient_bytes(model, layout))
+        workspace = max(moe, cp_transient_bytes(model, layout) + masked_transient_bytes(model, layout))
         if zero_bubble:  # the rank's own order of F, B and W decides
             # The workspace rides on a B, beside the stores the walk holds then (the loss part went at F's end).
             zb = zero_bubble_activation_peak(model, layout, stage, n_layers, profile, sum(layers[:stage]), workspace)
