@@ -39,7 +39,11 @@ MOE = (
     "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01"
 ).split()
 DISTOPT = ["--use-distributed-optimizer"]
-SINGLE = {"single": ["--bf16", *GQA]}
+SINGLE = {
+    "single": ["--bf16", *GQA],
+    # Documents and a window on whole sequences: one varlen flash call per layer (model/varlen.py).
+    "single-documents-window": ["--bf16", *GQA, "--reset-position-ids", "--reset-attention-mask", "--window-size", "8"],
+}
 LAYOUTS = {
     "tp2-sp": ["--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--bf16", "--pipeline-model-parallel-size", "2"],
@@ -98,10 +102,11 @@ def test_no_host_wait_in_iterations_that_do_not_log(results, name):
             assert i["copies"] and all(c.startswith("non-blocking host-to-device copy from pinned") for c in i["copies"])
 
 
-@pytest.mark.parametrize("name", ["cp2-gqa", "cp2-documents-window"])
+@pytest.mark.parametrize("name", ["cp2-gqa", "cp2-documents-window", "single-documents-window"])
 def test_cp_with_gqa_runs_flash(results, name):
     """parallel/context/ ring attention: every block is an unmasked or square causal call at k's head count, flash's;
-    with documents and a window too (the anti-causal squares run causal on reversed rows)."""
+    with documents and a window too (the anti-causal squares run causal on reversed rows); on one device the masked
+    attention of whole sequences is one varlen flash call."""
     kernels = {k for r in results[name]["ranks"] for i in r["iterations"] for k in i["kernels"]}
     assert kernels == {FLASH}, kernels
 

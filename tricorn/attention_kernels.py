@@ -70,6 +70,7 @@ class AttentionCall:
     enable_gqa: bool = False
     requires_grad: bool = False  # grad mode on and q, k or v requires grad (a training forward)
     where: str = "?"
+    varlen: bool = False  # aten._flash_attention_forward on packed whole sequences (tricorn/model/varlen.py)
 
     @classmethod
     def of(cls, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False, where="?") -> AttentionCall:
@@ -192,10 +193,31 @@ def cudnn_refusal(c: AttentionCall, cap: tuple[int, int], head_dim_limit: int = 
     return "kv length 1" if c.k[2] == 1 else None
 
 
+def varlen_refusal(c: AttentionCall, cap: tuple[int, int]) -> Optional[str]:
+    """None when ``aten._flash_attention_forward`` takes these whole sequences packed as varlen (torch 2.13's flash
+    mha_varlen_fwd checks, as for dense flash less the layout ones: the packed tensors are made to fit), else why
+    not: fp16 / bf16, sm80..sm121, equal head dims up to 256 (the training limit on sm86-89 / sm120 included),
+    k heads == v heads dividing q heads. No mask, no dropout: the caller's window and documents are its arguments."""
+    if not _sm(cap, (8, 0), (12, 1)):
+        return f"sm{cap[0]}{cap[1]} outside sm80..sm121"
+    if not _dtype_ok(c, HALF):
+        return f"dtype {c.dtypes[0]} (flash needs fp16/bf16)"
+    if not (c.q[3] == c.k[3] == c.v[3] and c.q[3] <= 256):
+        return "head dims differ or exceed 256"
+    if c.requires_grad and (_sm(cap, (8, 6), (8, 9)) or _sm(cap, (12, 0), (12, 1))) and 192 < c.q[3] <= 224:
+        return "training head dim in (192, 224] on sm86-89/sm120"
+    if c.k[1] != c.v[1] or c.q[1] % c.k[1]:
+        return "GQA needs k heads == v heads dividing q heads"
+    return None
+
+
 def cuda_sdpa_kernel(
     c: AttentionCall, cap: tuple[int, int] = (9, 0), prefer_cudnn: bool = False, efficient_gqa: bool = False
 ) -> str:
-    """The backend select_sdp_backend picks: the first of priority_order whose filters pass (math last)."""
+    """The backend select_sdp_backend picks: the first of priority_order whose filters pass (math last). A varlen
+    call (tricorn's own, not SDPA) runs flash or fails: math stands for the failure."""
+    if c.varlen:
+        return FLASH if varlen_refusal(c, cap) is None else MATH
     # aten/src/ATen/Context.h sdp_priority_order: flash, efficient, math, cudnn (math accepts everything, so cuDNN
     # is reached only when check_prefer_cudnn_attention moved it first: sm90/sm10x with cuDNN > 9.15).
     order = (CUDNN, FLASH, EFFICIENT) if prefer_cudnn else (FLASH, EFFICIENT)
@@ -256,10 +278,14 @@ def masked_block_call(cfg) -> AttentionCall:
 
 def masked_attention_refusal(cfg, cap: tuple[int, int] = (9, 0)) -> Optional[str]:
     """One line when --reset-attention-mask / --window-size cannot run on a CUDA device of capability `cap`: their
-    blocks call flash or the efficient kernel explicitly (no math fallback, which would build the scores)."""
+    blocks call flash or the efficient kernel explicitly (no math fallback, which would build the scores); whole
+    sequences in fp16 / bf16 run varlen flash where it takes them, else the blocks."""
     if not (cfg.data.reset_attention_mask or cfg.model.attention_window is not None):
         return None
-    call = cp_block_call(masked_block_call(cfg), cap)
+    block = masked_block_call(cfg)
+    if block.q[2] == cfg.model.seq_length and varlen_refusal(block, cap) is None:
+        return None
+    call = cp_block_call(block, cap)
     if cuda_sdpa_kernel(call, cap) in FUSED:
         return None
     refusal = fused_refusals(call, cap)

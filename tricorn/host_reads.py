@@ -161,7 +161,7 @@ class _Function(TorchFunctionMode):
             call = AttentionCall.of(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1], where=_caller())
             o.attention.append(cp_block_call(call))
         elif func is HOST_PLANNED_OPS[0]:  # documents / window (model/masking.py): each block's CUDA call
-            o.attention.extend(cp_block_call(c) for c in planned_calls(*args, **kwargs))
+            o.attention.extend(c if c.varlen else cp_block_call(c) for c in planned_calls(*args, **kwargs))
         elif func in _device_constructors():
             return o.created(func, args, kwargs)
         elif method and name in ("to", "cuda", "cpu"):

@@ -18,7 +18,10 @@ context-parallel rank plans each of its query chunks against each key chunk it h
 (tricorn/parallel/context/), so p2p skips the ring steps' blocks no document spans and a2a / allgather apply the
 same rule to the gathered sequence.
 
-The planned attention is one custom op (``tricorn::attend_masked``, with its backward op), so --torch-compile
+On a GPU, whole sequences (one device, or a2a after its all-to-all) in fp16 / bf16 run instead as one varlen flash
+call with the documents as its sequences and the window as its own (tricorn/model/varlen.py); the blocks serve
+the CPU, fp32 and the ring and all-gather chunks. The planned attention is one custom op (``tricorn::attend_masked``,
+with its backward op), so --torch-compile
 keeps a layer in one graph: the op is opaque to dynamo, its host-read of the bounds happens when it runs, and
 new documents never recompile. No collectives; memory: the op's output and lse (what one flash call keeps),
 plus attention_blocks.py's transient accumulators.
@@ -27,14 +30,16 @@ plus attention_blocks.py's transient accumulators.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from tricorn.attention_kernels import AttentionCall
+from tricorn.attention_kernels import AttentionCall, varlen_refusal
 from tricorn.data.documents import bounds_rows
+from tricorn.model import varlen
 from tricorn.model.attention_blocks import ANTICAUSAL, CAUSAL, UNMASKED, Block, attend, attend_backward
 
 Run = tuple[int, int, int]  # (first local row, its global position, length): a contiguous piece of the sequence
@@ -161,8 +166,16 @@ def _runs(flat: Sequence[int]) -> list[Run]:
 def plan_for(q: torch.Tensor, documents: Optional[torch.Tensor], q_runs, k_runs, seq_length: int, window: int) -> list[Block]:
     if documents is not None and documents.shape[0] != q.shape[0]:
         raise ValueError(f"document bounds for {documents.shape[0]} samples, attention over {q.shape[0]}")
-    rows = None if documents is None else bounds_rows(documents)
-    return plan(_runs(q_runs), _runs(k_runs), seq_length, None if window < 0 else window, rows)
+    return plan(_runs(q_runs), _runs(k_runs), seq_length, None if window < 0 else window, _rows(documents))
+
+
+def _rows(documents: Optional[torch.Tensor]) -> Optional[list[list[int]]]:
+    return None if documents is None else bounds_rows(documents)
+
+
+def _varlen(q, k, v, q_runs, k_runs, seq_length: int) -> bool:
+    """Whole sequences on a GPU whose varlen flash takes them: one call instead of the blocks (varlen.py)."""
+    return list(q_runs) == list(k_runs) == whole(seq_length) and varlen.takes(q, k, v)
 
 
 # ---------------------------------------------------------------- the custom ops
@@ -181,6 +194,8 @@ def attend_masked(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of q's rows over k/v's under the rule; runs flattened (local, global, length) triples,
     window -1 for none. Rows that see nothing get out 0 and lse -inf."""
+    if _varlen(q, k, v, q_runs, k_runs, seq_length):
+        return varlen.forward(q, k, v, _rows(documents), None if window < 0 else window)
     return attend(q, k, v, plan_for(q, documents, q_runs, k_runs, seq_length, window))
 
 
@@ -204,6 +219,8 @@ def attend_masked_backward(
     window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of attend_masked given the rows' global out and lse."""
+    if _varlen(q, k, v, q_runs, k_runs, seq_length):
+        return varlen.backward(dout, q, k, v, out, lse, _rows(documents), None if window < 0 else window)
     return attend_backward(dout, q, k, v, out, lse, plan_for(q, documents, q_runs, k_runs, seq_length, window))
 
 
@@ -229,9 +246,13 @@ def _backward(ctx, dout, _dlse):
 attend_masked.register_autograd(_backward, setup_context=_setup_context)
 
 
-def planned_calls(q, k, v, documents, q_runs, k_runs, seq_length, window) -> list[AttentionCall]:
-    """The kernel call of each block `attend_masked` makes for these arguments, as tricorn.attention_kernels describes
-    calls (an anti-causal block: a causal call on fresh reversed copies): what the CUDA contract checks."""
+def planned_calls(q, k, v, documents, q_runs, k_runs, seq_length, window, cap=(9, 0)) -> list[AttentionCall]:
+    """The kernel calls `attend_masked` makes on a CUDA device of capability `cap` for these arguments, as
+    tricorn.attention_kernels describes calls: one varlen flash call for whole sequences it takes, else one call
+    per block (an anti-causal block: a causal call on fresh reversed copies). What the CUDA contract checks."""
+    whole_call = AttentionCall.of(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1], where="masking.py")
+    if list(q_runs) == list(k_runs) == whole(seq_length) and varlen_refusal(whole_call, cap) is None:
+        return [dataclasses.replace(whole_call, varlen=True)]
     calls = []
     for blk in plan_for(q, documents, q_runs, k_runs, seq_length, window):
         qb, kb, vb = q[blk.batch, :, blk.rows], k[blk.batch, :, blk.keys], v[blk.batch, :, blk.keys]
