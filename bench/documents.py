@@ -4,7 +4,7 @@ One attention layer like Llama's (8 query heads over 2 key/value heads of 64, on
 backward over SEQ tokens: full causal (model/spec.py sdpa_causal: one fused causal call) and with the sample cut
 into 8 documents of random lengths (model/masking.py: one fused causal call per document, the
 ``aten._scaled_dot_product_flash_attention_for_cpu`` kernel the whole-sequence call also runs). Printed per sequence
-length: the best of REPEATS times of each, their ratio (documents / causal: below 1 means the masking saves work),
+length: the best of REPEATS times of each (the two take turns), their ratio (documents / causal: below 1 means the masking saves work),
 and the ideal ratio, the (query, key) pairs the documents allow over causal attention's (flops.useful_pairs).
 With --window W the documents run with a window of W keys too.
 
@@ -53,13 +53,20 @@ def inputs(seq: int) -> tuple[torch.Tensor, ...]:
 
 
 def best_time(step, repeats: int = REPEATS) -> float:
-    step()  # warm-up
-    times = []
+    return best_times([step], repeats)[0]
+
+
+def best_times(steps, repeats: int = REPEATS) -> list[float]:
+    """Each step's best of `repeats` timed runs, the steps taking turns (a loaded machine's drift hits them alike)."""
+    for step in steps:
+        step()  # warm-up
+    times: list[list[float]] = [[] for _ in steps]
     for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for step, mine in zip(steps, times):
+            start = time.perf_counter()
+            step()
+            mine.append(time.perf_counter() - start)
+    return [min(t) for t in times]
 
 
 def forward_backward(attend, q, k, v, grad):
@@ -100,8 +107,12 @@ def measure(seq: int, window, with_flex: bool) -> dict:
     q, k, v, grad = inputs(seq)
     documents = documents_of(seq)
     mask = AttentionMask(documents, window)
-    causal = best_time(forward_backward(lambda *t: sdpa_causal(*t, None), q, k, v, grad))
-    masked = best_time(forward_backward(lambda *t: masked_attention(*t, mask), q, k, v, grad))
+    causal, masked = best_times(
+        [
+            forward_backward(lambda *t: sdpa_causal(*t, None), q, k, v, grad),
+            forward_backward(lambda *t: masked_attention(*t, mask), q, k, v, grad),
+        ]
+    )
     blocks = plan_for(q, documents, whole(seq), whole(seq), seq, -1 if window is None else window)
     lengths = [b - a for a, b in zip(bounds_rows(documents)[0], bounds_rows(documents)[0][1:])]
     out = {

@@ -20,11 +20,13 @@ from harness import FP32_RTOL, run_layout, run_script
 from test_hf import tricorn_model
 
 from tricorn.checkpoint.interop.hf import model_flags, read_model_config
+from tricorn.checkpoint.interop.hf_mapping import ConvertError
 from tricorn.checkpoint.interop.megatron import RUN_CONFIG, import_megatron, read_megatron
 from tricorn.checkpoint.interop.megatron_export import export_megatron
 from tricorn.checkpoint.interop.megatron_mapping import tensor_map, to_tricorn
 from tricorn.checkpoint.io import iter_name, read_meta, read_tensors
 from tricorn.cli import main as cli
+from tricorn.config import config_from_args
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_ckpt"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
@@ -274,3 +276,28 @@ def test_without_the_optimizer_state_training_goes_on_from_megatrons_iteration(t
     run = run_layout([*flags, *"--seq-length 16 --train-iters 3 --log-interval 1".split()], 1, tmp_path / "run")
     assert [r["iteration"] for r in run.records if "loss" in r] == [2, 3], run.stdout
     assert "holds no optimizer state" in run.stdout and "resuming after iteration 1 (2 samples consumed" in run.stdout
+
+
+def test_window_and_document_flags_come_along(tmp_path):
+    """--window-size is tricorn's now, so it is carried, and the document flags go into the run config's data section;
+    --reset-position-ids on a RoPE model is left out and listed (Megatron 0.19's RoPE ignored it);
+    --window-attn-skip-freq, which tricorn does not model, is refused."""
+
+    def windowed(state):
+        args = state["args"]
+        args.window_size, args.position_embedding_type = (4095, 0), "rope"
+        args.reset_position_ids = args.reset_attention_mask = args.eod_mask_loss = True
+
+    out = tmp_path / "out"
+    import_megatron(_legacy_variant(tmp_path, "windowed", windowed), out, load_optim=False, **QUIET)
+    text = (out / RUN_CONFIG).read_text()
+    assert "--reset-position-ids=True" in text.splitlines()[0]
+    cfg = config_from_args(["--config", str(out / RUN_CONFIG), "--mock-data", "--device", "cpu"])
+    assert cfg.model.window_size == [4095, 0] and cfg.model.attention_window == 4095
+    assert cfg.data.reset_attention_mask and cfg.data.eod_mask_loss and not cfg.data.reset_position_ids
+
+    def skip(state):
+        state["args"].window_size, state["args"].window_attn_skip_freq = (4095, 0), 4
+
+    with pytest.raises(ConvertError, match="window-attn-skip-freq"):
+        import_megatron(_legacy_variant(tmp_path, "skip", skip), tmp_path / "out2", load_optim=False, **QUIET)

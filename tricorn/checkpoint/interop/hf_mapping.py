@@ -149,6 +149,8 @@ def model_flags(m: ModelConfig) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             flags += [flag] if value else []
+        elif isinstance(value, list):  # --window-size LEFT,RIGHT (Megatron's form)
+            flags += [flag, ",".join(str(v) for v in value)]
         else:
             flags += [flag, str(int(value) if isinstance(value, float) and value.is_integer() else value)]
     return flags

@@ -44,6 +44,7 @@ from tricorn.checkpoint.interop.convert import (
 from tricorn.checkpoint.interop.hf_mapping import ConvertError, model_flags
 from tricorn.checkpoint.interop.megatron_mapping import (
     Entry,
+    data_fields,
     legacy_optimizer_order,
     merge_tp,
     model_config_from_args,
@@ -54,7 +55,7 @@ from tricorn.checkpoint.interop.megatron_mapping import (
     unsupported_args,
 )
 from tricorn.checkpoint.interop.megatron_pickle import namespace_dict, safe_load
-from tricorn.config import Config, ModelConfig, TrainingConfig, dump_yaml
+from tricorn.config import Config, DataConfig, ModelConfig, TrainingConfig, dump_yaml
 
 COMMON_KEY = "common_state/shard_0_1"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -363,7 +364,7 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
             progress[io.OPTIMIZER_STATE] = False
         meta = import_meta(ck.iteration, params_dtype, source, **progress)
         training = TrainingConfig(**training_fields(ck.args, ck.common.get("opt_param_scheduler") or {}))
-        cfg = Config(model=m, training=training)
+        cfg = Config(model=m, training=training, data=DataConfig(**data_fields(ck.args)))
         final = write_checkpoint(out, state, build, meta, dump_yaml(cfg))
     unsupported = unsupported_args(ck.args)
     note = ", ".join(unsupported) if unsupported else "none"
@@ -388,13 +389,14 @@ def _run_yaml(cfg: Config) -> str:
     import yaml
 
     run = {}
-    for section, default in (("model", ModelConfig()), ("training", TrainingConfig())):
+    for section, default in (("model", ModelConfig()), ("training", TrainingConfig()), ("data", DataConfig())):
         ours = getattr(cfg, section)
         run[section] = {
             f.name: getattr(ours, f.name)
             for f in dataclasses.fields(ours)
             if getattr(ours, f.name) != getattr(default, f.name) or f.name in ("num_layers", "hidden_size")
         }
+    run = {section: fields for section, fields in run.items() if fields}  # the data section only with document flags
     return yaml.safe_dump(run, sort_keys=False)
 
 

@@ -36,7 +36,7 @@ CARRIED = {
         "micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters",
         "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed", "bf16", "fp16",
     ),
-    "data": ("tokenizer_type", "tokenizer_model"),
+    "data": ("tokenizer_type", "tokenizer_model", "reset_position_ids", "reset_attention_mask", "eod_mask_loss"),
 }  # fmt: skip
 
 
@@ -76,6 +76,7 @@ def megatron_args(m: ModelConfig, saved: dict, fmt: str, iteration: int, tp: int
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
+        window_size=(m.attention_window, 0) if m.attention_window is not None else None,  # Megatron's (left, right)
         padded_vocab_size=m.vocab_size,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1,

@@ -38,7 +38,7 @@ REFUSED_ARCH: dict[str, tuple[Any, str]] = {
     "openai_gelu": (False, "OpenAI's GeLU (--openai-gelu)"),
     "mtp_num_layers": (None, "multi-token prediction (--mtp-num-layers)"),
     "heterogeneous_layers_config_path": (None, "heterogeneous layers"),
-    "window_size": (None, "sliding-window attention (--window-size)"),
+    "window_attn_skip_freq": (None, "full-attention layers among sliding-window ones (--window-attn-skip-freq)"),
     "rotary_percent": (1.0, "partial RoPE (--rotary-percent)"),
     "rotary_seq_len_interpolation_factor": (None, "RoPE position interpolation (--rotary-seq-len-interpolation-factor)"),
     "apply_residual_connection_post_layernorm": (False, "post-norm residuals (--apply-residual-connection-post-layernorm)"),
@@ -85,6 +85,9 @@ def model_config_from_args(args: dict, where: str) -> ModelConfig:
         refused.append(f"--kv-channels {args['kv_channels']} != hidden / heads = {h // heads}")
     if _arg(args, "add_qkv_bias") and not _arg(args, "add_bias_linear", True):
         refused.append("a QKV bias without the other biases (--add-qkv-bias)")
+    window = _window(args)
+    if window is not None and not (window[1] == 0 and (window[0] >= 1 or window[0] == -1)):
+        refused.append(f"--window-size {','.join(map(str, window))} (tricorn runs LEFT >= 1 or -1 with RIGHT 0)")
     if refused:
         raise ConvertError(f"{where}: unsupported Megatron architecture: {'; '.join(refused)}")
     gqa = bool(_arg(args, "group_query_attention")) and _arg(args, "num_query_groups") not in (None, heads)
@@ -113,7 +116,24 @@ def model_config_from_args(args: dict, where: str) -> ModelConfig:
         attention_dropout=float(args.get("attention_dropout", 0.1)),
         init_method_std=float(args.get("init_method_std") or 0.02),
         vocab_size=int(args["padded_vocab_size"]),
+        window_size=[int(window[0]), 0] if window is not None and window[0] >= 1 else None,
     )
+
+
+def _window(args: dict) -> Optional[tuple[int, ...]]:
+    window = _arg(args, "window_size")
+    return None if not window else tuple(int(x) for x in window)
+
+
+def data_fields(args: dict) -> dict[str, Any]:
+    """DataConfig fields of the run: the document flags (megatron-core's GPTDataset reads them). With RoPE,
+    --reset-position-ids is left out: Megatron 0.19 builds RoPE from the sequence length, so the run trained without
+    it (unsupported_args lists it), while tricorn would apply it."""
+    rope = args.get("position_embedding_type") == "rope"
+    out = {name: True for name in ("reset_attention_mask", "eod_mask_loss") if args.get(name)}
+    if args.get("reset_position_ids") and not rope:
+        out["reset_position_ids"] = True
+    return out
 
 
 def unsupported_args(args: dict) -> list[str]:
@@ -124,6 +144,8 @@ def unsupported_args(args: dict) -> list[str]:
         ok = value in fine if isinstance(fine, tuple) else (value == fine or (fine is None and value in (None, False)))
         if not ok:
             out.append(f"--{name.replace('_', '-')}={value}")
+    if args.get("reset_position_ids") and args.get("position_embedding_type") == "rope":
+        out.append("--reset-position-ids=True (Megatron 0.19's RoPE ignored it; tricorn's would not, so it is left out)")
     for name in ("start_weight_decay", "end_weight_decay"):  # Megatron fills both with --weight-decay by default
         if args.get(name) not in (None, args.get("weight_decay")):
             out.append(f"--{name.replace('_', '-')}={args[name]}")
