@@ -22,8 +22,8 @@ import tempfile
 from types import SimpleNamespace
 
 import numpy as np
+from make_megatron_fixtures import MEGATRON_CORE_VERSION, require_megatron_core, write_npz
 
-MEGATRON_CORE_VERSION = "0.19.2"
 VOCAB = 1000
 PAD_ID = 5
 EOD_ID = VOCAB - 1
@@ -112,10 +112,7 @@ def run_case(index: int, case: tuple, workdir: str) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
-    import megatron.core
-
-    if megatron.core.__version__ != MEGATRON_CORE_VERSION:
-        raise SystemExit(f"this script pins megatron-core {MEGATRON_CORE_VERSION}, found {megatron.core.__version__}")
+    require_megatron_core()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="tests/fixtures/megatron_documents.npz")
     args = parser.parse_args()
@@ -124,9 +121,7 @@ def main() -> None:
         for i, case in enumerate(CASES):
             for key, value in run_case(i, case, workdir).items():
                 arrays[f"case{i}/{key}"] = value
-    tmp = args.output + ".tmp.npz"
-    np.savez_compressed(tmp, **arrays)
-    os.replace(tmp, args.output)
+    write_npz(args.output, arrays)
     print(f"wrote {args.output}: {len(CASES)} cases, {os.path.getsize(args.output) / 1024:.0f} KB")
 
 

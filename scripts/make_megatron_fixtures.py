@@ -203,11 +203,24 @@ def run_case(case: dict, workdir: str, index: int) -> dict[str, np.ndarray]:
     return out
 
 
-def main() -> None:
+def require_megatron_core() -> None:
+    """Stop unless the running megatron-core is the version the fixtures pin."""
     import megatron.core
 
     if megatron.core.__version__ != MEGATRON_CORE_VERSION:
         raise SystemExit(f"this script pins megatron-core {MEGATRON_CORE_VERSION}, found {megatron.core.__version__}")
+
+
+def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
+    """np.savez_compressed to `path` atomically (a temporary file, then a rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp.npz"
+    np.savez_compressed(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    require_megatron_core()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="tests/fixtures/megatron_gpt.npz")
     parser.add_argument(
@@ -221,10 +234,7 @@ def main() -> None:
             for key, value in run_case(case, workdir, i).items():
                 arrays[f"case{i}/{key}"] = value
     arrays["num_cases"] = np.array(len(grid))
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    tmp = args.output + ".tmp.npz"
-    np.savez_compressed(tmp, **arrays)
-    os.replace(tmp, args.output)
+    write_npz(args.output, arrays)
     print(f"wrote {args.output}: {len(grid)} cases, {os.path.getsize(args.output) / 1024:.0f} KB")
     if args.checkpoints:  # its own processes: megatron keeps process groups and args in globals
         import subprocess

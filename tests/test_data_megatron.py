@@ -41,15 +41,24 @@ def write_corpus(prefix: str, lengths: np.ndarray) -> None:
     builder.finalize(prefix + ".idx")
 
 
-@pytest.fixture(scope="module")
-def fixture() -> dict[str, np.ndarray]:
-    with np.load(FIXTURES) as data:
+def load_npz(path: Path) -> dict[str, np.ndarray]:
+    """A fixture file's arrays, read once (the fixtures here and in tests/test_documents.py)."""
+    with np.load(path) as data:
         return {k: data[k] for k in data.files}
 
 
-def case_ids() -> list[int]:
-    with np.load(FIXTURES) as data:
+def npz_cases(path: Path) -> list[int]:
+    with np.load(path) as data:
         return list(range(int(data["num_cases"])))
+
+
+@pytest.fixture(scope="module")
+def fixture() -> dict[str, np.ndarray]:
+    return load_npz(FIXTURES)
+
+
+def case_ids() -> list[int]:
+    return npz_cases(FIXTURES)
 
 
 def case_config(fx: dict, c: str, prefixes: list[str]):

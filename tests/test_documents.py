@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_data_megatron import load_npz, npz_cases
 
 from tricorn.config import config_from_args
 from tricorn.data.base import GlobalBatchLoader
@@ -43,13 +44,11 @@ def write_corpus(prefix: str, lengths: np.ndarray) -> None:
 
 @pytest.fixture(scope="module")
 def fixture() -> dict[str, np.ndarray]:
-    with np.load(FIXTURES) as data:
-        return {k: data[k] for k in data.files}
+    return load_npz(FIXTURES)
 
 
 def case_ids() -> list[int]:
-    with np.load(FIXTURES) as data:
-        return list(range(int(data["num_cases"])))
+    return npz_cases(FIXTURES)
 
 
 def test_fixture_comes_from_megatron_core(fixture):

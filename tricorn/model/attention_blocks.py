@@ -79,6 +79,10 @@ class Block:
     def batch(self) -> slice:
         return slice(None) if self.sample is None else slice(self.sample, self.sample + 1)
 
+    def operands(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This block's q rows and k, v rows (views of the whole operands)."""
+        return q[self.batch, :, self.rows], k[self.batch, :, self.keys], v[self.batch, :, self.keys]
+
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
@@ -154,7 +158,7 @@ def _flip(t: torch.Tensor, dim: int = 2) -> torch.Tensor:
 
 def call_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: Block) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of block `blk`'s rows (q, k, v: the whole operands)."""
-    qb, kb, vb = q[blk.batch, :, blk.rows], k[blk.batch, :, blk.keys], v[blk.batch, :, blk.keys]
+    qb, kb, vb = blk.operands(q, k, v)
     if not blk.anticausal:
         return block_forward(qb, kb, vb, blk.causal)
     out, lse = block_forward(_flip(qb), _flip(kb), _flip(vb), True)

@@ -255,7 +255,7 @@ def planned_calls(q, k, v, documents, q_runs, k_runs, seq_length, window, cap=(9
         return [dataclasses.replace(whole_call, varlen=True)]
     calls = []
     for blk in plan_for(q, documents, q_runs, k_runs, seq_length, window):
-        qb, kb, vb = q[blk.batch, :, blk.rows], k[blk.batch, :, blk.keys], v[blk.batch, :, blk.keys]
+        qb, kb, vb = blk.operands(q, k, v)
         if blk.anticausal:  # torch.flip returns contiguous tensors of their own
             qb, kb, vb = (torch.empty(t.shape, dtype=t.dtype, device="meta") for t in (qb, kb, vb))
         gqa = kb.shape[1] != qb.shape[1]
