@@ -3,8 +3,8 @@
 The data is a packed corpus (tests/document_reference.py: several documents per 64-token sample, each ending with
 the end-of-document token). The single-process trainer's first loss with --reset-position-ids,
 --reset-attention-mask and --eod-mask-loss (and with --window-size) equals a plain-torch float64 decoder on the
-same weights and samples whose attention mask is built explicitly; the layouts (tests/harness.py) then equal
-that single-process run over 5 iterations.
+same weights and samples whose attention mask is built explicitly; the layouts (tests/harness.py), with documents,
+a window and hidden dropout, then equal the single-process run over 5 iterations. --torch-compile: tests/test_compile.py.
 """
 
 from __future__ import annotations
@@ -86,10 +86,15 @@ LAYOUTS = {
 PROBED = ("tp2-sp", "cp2-allgather")
 
 
+# Hidden dropout too: its masks are keyed by the rows' places in the sequence, not by the reset positions, so every
+# layout drops what one process drops (tricorn/model/dropout.py).
+DROPOUT = ["--hidden-dropout", "0.1"]
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_single_process(tmp_path, corpus, name):
     nproc, extra = LAYOUTS[name]
-    flags = data_flags(corpus) + DOCUMENTS + WINDOW
+    flags = data_flags(corpus) + DOCUMENTS + WINDOW + DROPOUT
     report = ["--tensorboard-dir", str(tmp_path / "tb")] if name in PROBED else []
     assert_equivalent(flags, nproc, tmp_path, extra + report)
     if report:  # iteration 1's saved-tensor probe == the activation estimate, RoPE rows per sample included

@@ -101,8 +101,15 @@ DIST = ["--use-distributed-optimizer"]
 # the sharp check of the scales; this one checks that the trainer wires them through every layout.
 LOSS_RTOL = 5e-4
 GRAD_NORM_RTOL = 1.5e-2
+# FP8 changes the linears only: documents and a window (their masked attention, per-sample RoPE positions) ride
+# on the CP layout, whose ring plans its blocks by global positions (tricorn/model/masking.py).
+DOCUMENTS = ["--reset-position-ids", "--reset-attention-mask", "--window-size", "8"]
 LAYOUTS = {
-    "tp2_sp_cp2": (FLAGS, 4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"]),
+    "tp2_sp_cp2_documents": (
+        FLAGS + DOCUMENTS,
+        4,
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"],
+    ),
     # --tensorboard-dir: memory_report.json, whose probed activations the estimator must predict (below)
     "pp2_dp2_distopt": (FLAGS, 4, ["--pipeline-model-parallel-size", "2", "--tensorboard-dir", "tb"] + DIST),
     "zero3_dp2_recompute": (FLAGS, 2, DIST + ["--zero-stage", "3"] + RECOMPUTE),
