@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from tricorn.attention_kernels import AttentionCall, varlen_refusal
+from tricorn.pinned import host_side
 
 _aten = torch.ops.aten
 
@@ -43,7 +44,8 @@ def cu_seqlens(rows: Optional[Sequence[Sequence[int]]], batch: int, s: int, devi
     for i in range(batch):
         row = rows[i] if rows is not None else (0, s)
         starts += [i * s + end for end in row[1:]]
-    host = torch.tensor(starts, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+    with host_side():  # host memory by design: the integers come from the host bounds
+        host = torch.tensor(starts, dtype=torch.int32, pin_memory=torch.cuda.is_available())
     return host.to(device, non_blocking=True)
 
 
