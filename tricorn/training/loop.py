@@ -113,6 +113,10 @@ class Trainer:
         return MicrobatchCalculator.from_config(self.cfg).get(self.train_loader.consumed_samples)
 
     def _microbatches(self, batch: Batch, num_microbatches: int) -> list[Batch]:
+        d = self.cfg.data
+        if (d.reset_attention_mask and batch.documents is None) or (d.reset_position_ids and batch.position_ids is None):
+            # Never train on without them: attention would silently see across documents (or RoPE not restart).
+            raise RuntimeError("--reset-attention-mask / --reset-position-ids: the loader gave a batch without them")
         size = self.cfg.training.micro_batch_size
         # Own storage per microbatch (as a host-to-GPU copy gives): a view would keep the whole batch
         # alive for as long as any microbatch's activations are, on CPU.
