@@ -21,9 +21,8 @@ same rule to the gathered sequence.
 On a GPU, whole sequences (one device, or a2a after its all-to-all) in fp16 / bf16 run instead as one varlen flash
 call with the documents as its sequences and the window as its own (tricorn/model/varlen.py); the blocks serve
 the CPU, fp32 and the ring and all-gather chunks. The planned attention is one custom op (``tricorn::attend_masked``,
-with its backward op), so --torch-compile
-keeps a layer in one graph: the op is opaque to dynamo, its host-read of the bounds happens when it runs, and
-new documents never recompile. No collectives; memory: the op's output and lse (what one flash call keeps),
+with its backward op), so --torch-compile keeps a layer in one graph: the op is opaque to dynamo, its host-read of
+the bounds happens when it runs, and new documents never recompile. No collectives; memory: the op's output and lse (what one flash call keeps),
 plus attention_blocks.py's transient accumulators.
 """
 
@@ -51,10 +50,6 @@ class AttentionMask:
 
     documents: Optional[torch.Tensor] = None  # [b, s + 1] int32 host bounds (tricorn/data/documents.py)
     window: Optional[int] = None  # keys i - window .. i; None: unlimited
-
-    @property
-    def active(self) -> bool:
-        return self.documents is not None or self.window is not None
 
 
 @dataclass(frozen=True)
