@@ -51,20 +51,21 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
             meta = dict(f.metadata)
             helptext = meta.pop("help")
             negate = meta.pop("negate", None)
+            names = [flag, *meta.pop("aliases", [])]  # Megatron's other spellings of the same flag
             meta.pop("bound", None)
             base, _ = field_kind(f)
             if base == "bool":
                 if negate:
                     group.add_argument(negate, dest=f.name, action="store_false", help=helptext + " (on by default)")
-                    group.add_argument(flag, dest=f.name, action="store_true", help=argparse.SUPPRESS)
+                    group.add_argument(*names, dest=f.name, action="store_true", help=argparse.SUPPRESS)
                 else:
-                    group.add_argument(flag, dest=f.name, action="store_true", help=helptext)
+                    group.add_argument(*names, dest=f.name, action="store_true", help=helptext)
                 continue
             if "type" not in meta:
                 meta["type"] = {"int": int, "float": float}.get(base, str)
             if "choices" in meta and meta["type"] is str:
                 meta["choices"] = [str(c) for c in meta["choices"]]
-            group.add_argument(flag, dest=f.name, help=helptext, **meta)
+            group.add_argument(*names, dest=f.name, help=helptext, **meta)
     return parser
 
 
@@ -73,7 +74,8 @@ def _suggest(key: str, options: list[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _apply_yaml(cfg: Config, path: str) -> None:
+def _apply_yaml(cfg: Config, path: str) -> set[str]:
+    """Apply a --config file; returns the field names it set."""
     import yaml
 
     try:
@@ -87,6 +89,7 @@ def _apply_yaml(cfg: Config, path: str) -> None:
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     top_keys = list(SECTIONS) + ["device", "model_preset"]
     errors: list[str] = []
+    given: set[str] = set()
     for key, value in data.items():
         if key in ("device", "model_preset"):
             if value is not None and not isinstance(value, str):
@@ -112,8 +115,10 @@ def _apply_yaml(cfg: Config, path: str) -> None:
             else:
                 is_float = v is not None and field_kind(fields[k2])[0] == "float"  # None: an unset Optional
                 setattr(section, k2, float(v) if is_float else v)
+                given.add(k2)
     if errors:
         raise ConfigError("; also: ".join(errors))
+    return given
 
 
 def field_errors(cfg: Config) -> list[str]:
@@ -136,8 +141,9 @@ def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int]
     """Defaults <- preset <- YAML <- flags. Raises ConfigError; does not validate."""
     args = vars(build_parser().parse_args(argv))  # ConfigError on a malformed flag
     cfg = Config()
+    given = set(args)  # the fields set by a flag or the YAML (not defaults)
     if "config" in args:
-        _apply_yaml(cfg, args.pop("config"))
+        given |= _apply_yaml(cfg, args.pop("config"))
     preset = args.pop("model_preset", None) or cfg.model_preset
     if preset is not None:
         if preset not in PRESETS:
@@ -162,6 +168,8 @@ def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int]
         world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     )
     errors = field_errors(cfg)
+    if cfg.training.train_samples is not None and "train_iters" in given:
+        errors.append("--train-samples and --train-iters are exclusive (Megatron's sample-based training sets the iterations); give one")
     if errors:  # before the derived values: they divide by the parallel sizes
         raise ConfigError("; also: ".join(errors))
     _resolve_defaults(cfg)
@@ -178,7 +186,10 @@ def _resolve_defaults(cfg: Config) -> None:
     t = cfg.training
     if t.global_batch_size is None and cfg.data_parallel_size > 0:
         t.global_batch_size = t.micro_batch_size * cfg.data_parallel_size
-    if t.lr_decay_iters is None:
+    if t.train_samples is not None and t.global_batch_size:
+        # Megatron's update_train_iters: samples / the (final) global batch, the ramp-up left out as Megatron 0.19 does.
+        t.train_iters = max(1, t.train_samples // t.global_batch_size)
+    elif t.lr_decay_iters is None:
         t.lr_decay_iters = t.train_iters
 
 

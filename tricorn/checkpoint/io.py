@@ -353,10 +353,14 @@ META_SCHEMA: dict[str, tuple[tuple[type, ...], Optional[float]]] = {
     "loss_scaler": ((dict, type(None)), None),
     "layout": ((dict,), None),
 }
-# Keys only some runs write (--skip-samples, --check-for-spiky-loss): checked when present.
+# meta.json's lr scheduler state: Megatron's OptimizerParamScheduler.state_dict() (training/lr_schedule.py).
+# Checkpoints written before tricorn's schedule was Megatron's have none (their lr was a function of the iteration).
+SCHEDULER_STATE = "opt_param_scheduler"
+# Keys only some runs write (--skip-samples, --check-for-spiky-loss), or older checkpoints lack: checked when present.
 OPTIONAL_META: dict[str, tuple[tuple[type, ...], Optional[float]]] = {
     "skipped_train_samples": ((int,), 0),
     "spiky_loss": ((dict,), None),
+    SCHEDULER_STATE: ((dict, type(None)), None),  # null: none saved on purpose (the schedule starts at sample 0)
 }
 LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "dp")
 # meta.json of an import that carries the run's progress but no optimizer state (`import-megatron --no-load-optim`)
