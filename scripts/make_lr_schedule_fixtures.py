@@ -52,8 +52,7 @@ CASES: dict[str, tuple[str, int, tuple[int, ...], int, object]] = {
         None,
     ),
     "cosine_decay_short": (
-        "--global-batch-size 4 --train-iters 30 --lr-decay-style cosine --lr-warmup-iters 3 --lr-decay-iters 20 "
-        "--min-lr 3e-5",
+        "--global-batch-size 4 --train-iters 30 --lr-decay-style cosine --lr-warmup-iters 3 --lr-decay-iters 20 --min-lr 3e-5",
         30,
         (),
         22,
@@ -217,7 +216,11 @@ def main() -> None:
     version = getattr(megatron.core, "__version__", MEGATRON_CORE_VERSION)
     cases = {name: run_case(*spec) for name, spec in CASES.items()}
     lines = [f" {json.dumps(name)}: {json.dumps(case)}" for name, case in cases.items()]  # one case a line
-    args.output.write_text(f'{{"megatron_lm": "{MEGATRON_LM_TAG}", "megatron_core": {json.dumps(version)}, "cases": {{\n' + ",\n".join(lines) + "\n}}\n")
+    args.output.write_text(
+        f'{{"megatron_lm": "{MEGATRON_LM_TAG}", "megatron_core": {json.dumps(version)}, "cases": {{\n'
+        + ",\n".join(lines)
+        + "\n}}\n"
+    )
     print(f"wrote {len(cases)} cases to {args.output}")
 
 

@@ -11,10 +11,12 @@ give the same bits: no tolerance), so is the state a checkpoint stores.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from harness import BASE_FLAGS, run_layout, with_flag
 
 from tricorn.config import config_from_args
 from tricorn.parallel.batch_schedule import MicrobatchCalculator
@@ -155,3 +157,100 @@ def test_train_samples_and_train_iters_are_exclusive():
 
     with pytest.raises(ConfigError, match="--train-samples and --train-iters are exclusive"):
         config_from_args("--device cpu --train-samples 64 --train-iters 3".split(), world_size=1)
+
+
+# ---------------------------------------------------------------- in training: the log, checkpoints, resumes
+
+GBS = 4  # BASE_FLAGS' global batch
+SCHEDULE = ["--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--lr-decay-iters", "5"]
+
+
+def _expected(first_count: int, iterations: range, flags: list[str] = SCHEDULE, skips=()) -> list[float]:
+    """The lr Megatron logs after each of `iterations` (its scheduler stepped after each successful step)."""
+    schedule = schedule_from_config(config_from_args([*BASE_FLAGS, *flags], world_size=1).training)
+    schedule.num_steps = first_count
+    out = []
+    for it in iterations:
+        if it not in skips:
+            schedule.step(GBS)
+        out.append(schedule.lr())
+    return out
+
+
+def _lrs(run) -> list[float]:
+    return [r["lr"] for r in run.records if "lr" in r]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Iterations 1-4 of a warm-up then cosine run, saved at 2 and 4."""
+    tmp = tmp_path_factory.mktemp("schedule")
+    flags = with_flag(BASE_FLAGS, "--train-iters", "4") + SCHEDULE + ["--save", str(tmp / "ckpt"), "--save-interval", "2"]
+    return tmp, run_layout(flags, 1, tmp / "run")
+
+
+def test_training_logs_megatrons_lr_and_a_resume_continues_it_bitwise(saved, tmp_path):
+    tmp, run = saved
+    assert _lrs(run) == _expected(0, range(1, 5))  # after iteration 1 of the warm-up: lr(4 samples) = lr / 2
+    resumed = run_layout(
+        with_flag(BASE_FLAGS, "--train-iters", "4") + SCHEDULE + ["--load", str(tmp / "ckpt"), "--ckpt-step", "2"], 1, tmp_path
+    )
+    assert _lrs(resumed) == _lrs(run)[2:] and resumed.losses == run.losses[2:]  # bitwise: the same ops in order
+
+
+def _old_checkpoint(saved, tmp_path: Path) -> Path:
+    """Iteration 2 of `saved` as tricorn wrote it before its schedule was Megatron's: no scheduler state."""
+    from tricorn.checkpoint.checksums import file_checksum
+    from tricorn.checkpoint.io import CHECKSUM_FILE, LATEST_FILE, META_FILE, SCHEDULER_STATE, iter_name
+
+    tmp, _ = saved
+    old = tmp_path / "old"
+    shutil.copytree(tmp / "ckpt" / iter_name(2), old / iter_name(2))
+    (old / LATEST_FILE).write_text("2")
+    meta_file = old / iter_name(2) / META_FILE
+    meta = json.loads(meta_file.read_text())
+    del meta[SCHEDULER_STATE]
+    meta_file.write_text(json.dumps(meta))
+    sums_file = old / iter_name(2) / CHECKSUM_FILE
+    sums = json.loads(sums_file.read_text())
+    sums["files"][META_FILE] = file_checksum(meta_file)
+    sums_file.write_text(json.dumps(sums))
+    return old
+
+
+def test_a_checkpoint_from_before_keeps_its_schedule_and_says_so(saved, tmp_path):
+    """Its iteration i ran at the lr of i global batches: it resumes at 3 x GBS samples, so iteration 3 runs at
+    the old schedule's lr(3) (no jump), with one line saying so."""
+    old = _old_checkpoint(saved, tmp_path)
+    run = run_layout(with_flag(BASE_FLAGS, "--train-iters", "4") + SCHEDULE + ["--load", str(old)], 1, tmp_path / "run")
+    assert "saved before tricorn's lr schedule was Megatron's" in run.stdout
+    assert _lrs(run) == _expected(3 * GBS, range(3, 5))
+
+
+def test_no_load_optim_starts_the_schedule_again_as_megatrons_does(saved, tmp_path):
+    tmp, _ = saved
+    flags = with_flag(BASE_FLAGS, "--train-iters", "4") + SCHEDULE + ["--load", str(tmp / "ckpt"), "--ckpt-step", "2"]
+    run = run_layout([*flags, "--no-load-optim"], 1, tmp_path)
+    assert "the lr schedule starts again at sample 0" in run.stdout
+    assert _lrs(run) == _expected(0, range(3, 5))  # iteration 3 ran at --lr-warmup-init, as a first iteration
+
+
+def test_flags_that_change_the_saved_schedule_are_one_line_unless_told_which_wins(saved, tmp_path):
+    tmp, run = saved
+    flags = with_flag(with_flag(BASE_FLAGS, "--train-iters", "4"), "--lr", "2e-3") + SCHEDULE
+    flags += ["--load", str(tmp / "ckpt"), "--ckpt-step", "2"]
+    refused = run_layout(flags, 1, tmp_path / "refused", check=False)
+    errors = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert refused.returncode == 1 and len(errors) == 1 and "max lr: 0.001 in the checkpoint, 0.002 from --lr" in errors[0]
+    theirs = run_layout([*flags, "--use-checkpoint-opt-param-scheduler"], 1, tmp_path / "theirs")
+    assert _lrs(theirs) == _lrs(run)[2:] and "max lr 0.001 from the checkpoint" in theirs.stdout
+    ours = run_layout([*flags, "--override-opt_param-scheduler"], 1, tmp_path / "ours")
+    assert _lrs(ours) == _expected(2 * GBS, range(3, 5), [*SCHEDULE, "--lr", "2e-3"])  # the flags', from the count
+
+
+def test_fp16_skips_leave_the_schedule_where_it_was(tmp_path):
+    """An overflow at iteration 2 (the scaler's skip, decided on the device): the lr is picked on the device and
+    the scheduler does not step, as Megatron's does not after an unsuccessful step; the log line reads it."""
+    flags = with_flag(BASE_FLAGS, "--train-iters", "4") + [*SCHEDULE, "--fp16", "--log-interval", "2"]
+    run = run_layout(flags, 1, tmp_path, env={"TRICORN_TEST_INJECT_INF_AT_ITER": "2"})
+    assert [r["skipped"] for r in run.records] == [True, False] and _lrs(run) == _expected(0, (1, 2, 3, 4), skips=(2,))[1::2]

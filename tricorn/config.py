@@ -231,9 +231,7 @@ class TrainingConfig:
         None, "Samples of decay (with --train-samples; default: --train-samples).", bound=AT_LEAST_1
     )
     lr_wsd_decay_iters: Optional[int] = _f(None, "Iterations of WSD's final anneal (the end of the decay).", bound=AT_LEAST_1)
-    lr_wsd_decay_samples: Optional[int] = _f(
-        None, "Samples of WSD's final anneal (with --train-samples).", bound=AT_LEAST_1
-    )
+    lr_wsd_decay_samples: Optional[int] = _f(None, "Samples of WSD's final anneal (with --train-samples).", bound=AT_LEAST_1)
     override_opt_param_scheduler: bool = _f(
         False,
         "On resume, take the lr schedule's settings from the flags, not the checkpoint (its count is kept).",
@@ -322,7 +320,7 @@ class DataConfig:
 class CheckpointConfig:
     save: Optional[str] = _f(None, "Directory to save checkpoints to.")
     load: Optional[str] = _f(None, "Directory to resume from (empty or absent: start fresh).")
-    save_interval: Optional[int] = _f(None, "Save every N iterations.", bound=AT_LEAST_1)
+    save_interval: Optional[int] = _f(None, "Save every N iterations.", bound=AT_LEAST_1, aliases=["--persistent-save-interval"])
     ckpt_step: Optional[int] = _f(None, "Load this iteration instead of the latest.", bound=NON_NEGATIVE)
     no_load_optim: bool = _f(False, "Do not load optimizer state.")
     no_load_rng: bool = _f(False, "Do not load RNG state.")
@@ -376,6 +374,7 @@ class Config:
     model_preset: Optional[str] = None
     dry_run: bool = False
     world_size: int = 1
+    megatron_notice: Optional[str] = None  # the start-up line of a Megatron command line (megatron_flags.py)
 
     @property
     def data_parallel_size(self) -> int:

@@ -14,6 +14,8 @@ from typing import Optional
 
 from tricorn.config import SECTIONS, Config, ConfigError, ModelConfig
 from tricorn.fields import field_kind, flag_of, value_error, yaml_type_error
+from tricorn.megatron_flags import PREFIX as MEGATRON
+from tricorn.megatron_flags import check_command_line, megatron_defaults, megatron_notice, run_context
 from tricorn.presets import PRESETS
 
 
@@ -33,8 +35,9 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message}; see --help")
 
 
-def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
-    """The command line, generated from the dataclasses (defaults are None so we can tell what was given)."""
+def build_parser(prog: str = "pretrain_gpt.py", megatron: bool = True) -> argparse.ArgumentParser:
+    """The command line, generated from the dataclasses (defaults are None so we can tell what was given); with
+    `megatron`, also every other flag of Megatron-LM's parser, hidden (tricorn/megatron_flags.py)."""
     parser = _Parser(
         prog=prog, description="tricorn: Megatron-style 3D-parallel GPT pretraining.", argument_default=argparse.SUPPRESS
     )
@@ -66,6 +69,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
             if "choices" in meta and meta["type"] is str:
                 meta["choices"] = [str(c) for c in meta["choices"]]
             group.add_argument(*names, dest=f.name, help=helptext, **meta)
+    if megatron:
+        from tricorn.megatron_flags import add_megatron_options
+
+        add_megatron_options(parser)
     return parser
 
 
@@ -140,9 +147,11 @@ def field_errors(cfg: Config) -> list[str]:
 def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> Config:
     """Defaults <- preset <- YAML <- flags. Raises ConfigError; does not validate."""
     args = vars(build_parser().parse_args(argv))  # ConfigError on a malformed flag
+    megatron_only = {k.removeprefix(MEGATRON): args.pop(k) for k in list(args) if k.startswith(MEGATRON)}
     cfg = Config()
-    given = set(args)  # the fields set by a flag or the YAML (not defaults)
-    if "config" in args:
+    given = set(args)  # the fields set by a flag, the YAML or the preset (not defaults)
+    with_yaml = "config" in args
+    if with_yaml:
         given |= _apply_yaml(cfg, args.pop("config"))
     preset = args.pop("model_preset", None) or cfg.model_preset
     if preset is not None:
@@ -157,6 +166,7 @@ def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int]
         for k, v in PRESETS[preset].items():
             if yaml_model[k] == defaults[k]:
                 setattr(cfg.model, k, v)
+        given |= set(PRESETS[preset])
     cfg.device = args.pop("device", None) or cfg.device or default_device()
     if "dry_run" in args:
         cfg.dry_run = args.pop("dry_run")
@@ -167,12 +177,19 @@ def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int]
     cfg.world_size = (
         world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     )
+    applied = megatron_defaults(cfg, given) if megatron_only and not with_yaml else {}
     errors = field_errors(cfg)
     if cfg.training.train_samples is not None and "train_iters" in given:
-        errors.append("--train-samples and --train-iters are exclusive (Megatron's sample-based training sets the iterations); give one")
+        errors.append(
+            "--train-samples and --train-iters are exclusive (Megatron's sample-based training sets the iterations); give one"
+        )
     if errors:  # before the derived values: they divide by the parallel sizes
         raise ConfigError("; also: ".join(errors))
     _resolve_defaults(cfg)
+    noops, refusals = check_command_line(megatron_only, run_context(cfg))
+    if refusals:
+        raise ConfigError(f"Megatron flags tricorn does not implement: {'; '.join(refusals)}")
+    cfg.megatron_notice = megatron_notice(noops, applied)
     return cfg
 
 

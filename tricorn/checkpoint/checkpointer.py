@@ -431,10 +431,14 @@ class Checkpointer:
         c, t = self.cfg.checkpoint, self.cfg.training
         schedule = trainer.lr_schedule.schedule
         if c.no_load_optim:
-            self.console("checkpoint: --no-load-optim: the lr schedule starts again at sample 0 (Megatron loads it with the optimizer)")
+            self.console(
+                "checkpoint: --no-load-optim: the lr schedule starts again at sample 0 (Megatron loads it with the optimizer)"
+            )
             return
         if io.SCHEDULER_STATE in meta and meta[io.SCHEDULER_STATE] is None:
-            self.console(f"checkpoint: it holds no lr scheduler state ({meta.get('source', 'on purpose')}): the schedule starts at sample 0")
+            self.console(
+                f"checkpoint: it holds no lr scheduler state ({meta.get('source', 'on purpose')}): the schedule starts at sample 0"
+            )
             return
         state = meta.get(io.SCHEDULER_STATE)
         if state is None:

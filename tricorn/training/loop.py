@@ -46,7 +46,7 @@ from tricorn.timers import (
 from tricorn.training.faults import maybe_inject
 from tricorn.training.logging import MetricsLogger, warn
 from tricorn.training.lr_schedule import schedule_from_config, steps_can_be_skipped
-from tricorn.training.lr_step import Lr, ScheduleDriver
+from tricorn.training.lr_step import ScheduleDriver
 from tricorn.training.memory_report import iteration_peak, write_memory_report
 from tricorn.training.spikes import SpikeGuard
 from tricorn.training.stragglers import StragglerMonitor, StragglerReport
