@@ -446,10 +446,27 @@ def load_errors(cfg: Any) -> list[str]:
     try:
         path, _ = find_checkpoint(Path(c.load), c.ckpt_step)
         if path is not None:
-            verify_checkpoint(path, cfg.model)
+            meta, _ = verify_checkpoint(path, cfg.model)
+            _check_schedule(path, meta, cfg)
     except CheckpointError as e:
         return [str(e)]
     return []
+
+
+def _check_schedule(path: Path, meta: dict, cfg: Any) -> None:
+    """The flags' lr schedule against the checkpoint's, as the load will take it (Megatron's rules, before launch)."""
+    from tricorn.training.lr_schedule import schedule_from_config
+
+    c, t = cfg.checkpoint, cfg.training
+    state = meta.get(SCHEDULER_STATE)
+    if state is None or c.no_load_optim or c.finetune or meta.get("weights_only"):
+        return
+    try:
+        schedule_from_config(t).load_state_dict(
+            state, override=t.override_opt_param_scheduler, use_checkpoint=t.use_checkpoint_opt_param_scheduler
+        )
+    except ValueError as e:  # ScheduleMismatch, or a state without its count
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 # ---------------------------------------------------------------- RNG states as JSON
