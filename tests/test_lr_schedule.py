@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -254,3 +255,15 @@ def test_fp16_skips_leave_the_schedule_where_it_was(tmp_path):
     flags = with_flag(BASE_FLAGS, "--train-iters", "4") + [*SCHEDULE, "--fp16", "--log-interval", "2"]
     run = run_layout(flags, 1, tmp_path, env={"TRICORN_TEST_INJECT_INF_AT_ITER": "2"})
     assert [r["skipped"] for r in run.records] == [True, False] and _lrs(run) == _expected(0, (1, 2, 3, 4), skips=(2,))[1::2]
+
+
+def test_the_checkpoints_settings_are_taken_whole_and_a_style_change_is_compared_on_both_schedules():
+    """A constant lr's decay length does not matter, a cosine's does: a checkpoint saved cosine, resumed with
+    --lr-decay-style constant, differs in the style and in the decay that the checkpoint's schedule used."""
+    saved = LRSchedule(0.0, 1e-3, 1e-4, 16, 160, "cosine", 0.01, 0.01, 160, "constant", num_steps=40)
+    flags = LRSchedule(0.0, 1e-3, 2e-4, 16, 320, "constant", 0.01, 0.01, 320, "constant")
+    with pytest.raises(ScheduleMismatch, match="min lr: 0.0001 in the checkpoint.*decay samples: 160.*decay style: cosine"):
+        replace(flags).load_state_dict(saved.state_dict())
+    theirs = replace(flags)
+    theirs.load_state_dict(saved.state_dict(), use_checkpoint=True)
+    assert theirs == saved

@@ -29,7 +29,7 @@ a device read. Pure Python: no torch, no collectives, no memory.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Optional
 
 from tricorn.config import TrainingConfig
@@ -156,18 +156,18 @@ class LRSchedule:
         two must agree (ScheduleMismatch naming each difference). Older Megatron key names are read too.
         Returns a line per setting where the checkpoint's value replaced the flags' (to print)."""
         saved = _saved_values(state)
+        settings = {k: v for k, v in saved.items() if k != "num_steps" and v is not None}  # Megatron's lack three
+        theirs = replace(self, **settings)
         changed, mismatched = [], []
-        for key, value in saved.items():
-            if key == "num_steps" or value is None or not self._matters(key):
-                continue
+        for key, value in settings.items():
             ours = getattr(self, key)
             if value == ours or override:
                 continue
+            matters = self._matters(key) or theirs._matters(key)
             what, flags = _WHAT[key]
             if use_checkpoint:
-                changed.append(f"{what} {value} from the checkpoint (the flags say {ours})")
-                setattr(self, key, value)
-            else:
+                changed += [f"{what} {value} from the checkpoint (the flags say {ours})"] if matters else []
+            elif matters:
                 mismatched.append(f"{what}: {value} in the checkpoint, {ours} from {flags}")
         if mismatched:
             raise ScheduleMismatch(
@@ -175,6 +175,9 @@ class LRSchedule:
                 "--use-checkpoint-opt-param-scheduler to keep the checkpoint's or --override-opt-param-scheduler "
                 "to use the flags'"
             )
+        if use_checkpoint:
+            for key, value in settings.items():
+                setattr(self, key, value)
         self.num_steps = int(saved["num_steps"])
         return changed
 
