@@ -14,7 +14,8 @@ from harness import ROOT, run_layout
 
 from tricorn import megatron_flag_table as table
 from tricorn import megatron_flags
-from tricorn.config import ConfigError, build_parser, config_from_args
+from tricorn.config import ConfigError
+from tricorn.config_args import build_parser, config_from_args
 from tricorn.megatron_flags import IMPLEMENTED, NO_OP, REFUSED, megatron_options, not_reproduced, status
 
 # The flags Megatron-LM's run in issue 38 had refused, and Megatron's usual model, optimizer and data flags.

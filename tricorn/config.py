@@ -23,6 +23,8 @@ from tricorn.fields import (
     POSITIVE,
     PROBABILITY,
     Bound,
+    flag_of,
+    value_error,
 )
 from tricorn.presets import PRESETS  # noqa: F401 - re-exported: the CLI and tests read the presets here
 
@@ -211,7 +213,7 @@ class TrainingConfig:
     train_samples: Optional[int] = _f(
         None, "Samples to train (instead of --train-iters: iterations = samples / --global-batch-size).", bound=AT_LEAST_1
     )
-    # The lr and weight-decay schedule: megatron-core's OptimizerParamScheduler, in samples (training/lr_schedule.py).
+    # The lr and weight-decay schedule: megatron-core's OptimizerParamScheduler, in samples (lr_schedule.py).
     lr: float = _f(1e-4, "Peak learning rate.", bound=NON_NEGATIVE)
     min_lr: float = _f(0.0, "Floor of the decayed learning rate.", bound=NON_NEGATIVE)
     lr_decay_style: str = _f(
@@ -417,12 +419,24 @@ def default_bucket_elements(dp: int, chunk_params: int) -> int:
     return min(max(40_000_000, 1_000_000 * max(dp, 1)), max(MIN_BUCKET_ELEMENTS, -(-chunk_params // 8)))
 
 
-# The command line and YAML reading live in tricorn/config_args.py; re-exported here because every caller
-# imports them from tricorn.config. Imported last: config_args needs the dataclasses above.
-from tricorn.config_args import (  # noqa: E402, F401
-    build_parser,
-    config_from_args,
-    default_device,
-    dump_yaml,
-    field_errors,
-)
+def field_errors(cfg: Config) -> list[str]:
+    """Every field outside its range or type, one sentence each ("--lr must be at least 0, got -0.001").
+
+    The one range check of every value, from the flags, the YAML or code: run by config_from_args before
+    any derived value is computed, and again by validate() for configs built in code.
+    """
+    errors: list[str] = []
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            problem = value_error(f, getattr(obj, f.name))
+            if problem:
+                errors.append(f"{flag_of(f)} {problem}")
+    return errors
+
+
+def dump_yaml(cfg: Config) -> str:
+    import yaml
+
+    data = {k: v for k, v in cfg.to_dict().items() if k in SECTIONS or k in ("device", "model_preset")}
+    return yaml.safe_dump(data, sort_keys=False)

@@ -15,13 +15,13 @@ from typing import Optional
 
 from tricorn.config import Config, field_errors
 from tricorn.data.skip_samples import skip_samples_errors
+from tricorn.lr_schedule import schedule_errors
 from tricorn.parallel.batch_schedule import validate_rampup
 from tricorn.parallel.compile import validate_compile
 from tricorn.parallel.fp8 import validate_fp8
 from tricorn.parallel.pipeline.stages import validate_pipeline
 from tricorn.parallel.recompute import validate_recompute
 from tricorn.parallel.te import validate_te
-from tricorn.training.lr_schedule import schedule_errors
 
 
 def validate(cfg: Config) -> list[str]:

@@ -353,7 +353,7 @@ META_SCHEMA: dict[str, tuple[tuple[type, ...], Optional[float]]] = {
     "loss_scaler": ((dict, type(None)), None),
     "layout": ((dict,), None),
 }
-# meta.json's lr scheduler state: Megatron's OptimizerParamScheduler.state_dict() (training/lr_schedule.py).
+# meta.json's lr scheduler state: Megatron's OptimizerParamScheduler.state_dict() (lr_schedule.py).
 # Checkpoints written before tricorn's schedule was Megatron's have none (their lr was a function of the iteration).
 SCHEDULER_STATE = "opt_param_scheduler"
 # Keys only some runs write (--skip-samples, --check-for-spiky-loss), or older checkpoints lack: checked when present.
@@ -455,7 +455,7 @@ def load_errors(cfg: Any) -> list[str]:
 
 def _check_schedule(path: Path, meta: dict, cfg: Any) -> None:
     """The flags' lr schedule against the checkpoint's, as the load will take it (Megatron's rules, before launch)."""
-    from tricorn.training.lr_schedule import schedule_from_config
+    from tricorn.lr_schedule import schedule_from_config
 
     c, t = cfg.checkpoint, cfg.training
     state = meta.get(SCHEDULER_STATE)

@@ -17,7 +17,8 @@ import os
 import sys
 from typing import Optional
 
-from tricorn.config import Config, ConfigError, build_parser, config_from_args
+from tricorn.config import Config, ConfigError
+from tricorn.config_args import build_parser, config_from_args
 from tricorn.parallel.te import ON_THIS_NODE
 from tricorn.planning.flops import iteration_flops_for_config
 from tricorn.planning.fp8_terms import fp8_terms
