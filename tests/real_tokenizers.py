@@ -301,13 +301,12 @@ def hf_gpt2_bos_dir() -> Path:
 
 def hf_llama3_dir() -> Path:
     """Llama 3's tokenizer.model as a Hugging Face directory, converted as transformers' TikTokenConverter does."""
-    from_here = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(from_here))  # the special tokens and the split regex: tricorn's own constants
-    from tricorn.data.tiktoken_tokenizers import LLAMA3_PATTERN, LLAMA3_SPECIAL_TOKENS
-
     folder = cache_dir() / "files" / "hf-llama3"
     if (folder / "tokenizer.json").is_file():
         return folder
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the special tokens and the split regex: tricorn's
+    from tricorn.data.tiktoken_tokenizers import LLAMA3_PATTERN, LLAMA3_SPECIAL_TOKENS
+
     lines = llama3_tokenizer_model().read_bytes().splitlines()
     ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in lines if line.strip())}
     b2u = bytes_to_unicode()

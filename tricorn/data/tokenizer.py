@@ -65,7 +65,7 @@ class NullTokenizer:
         self.eod = self.vocab_size - 1 if eod_id is None else int(eod_id)
         self.pad = int(pad_id)  # megatron-core's NullTokenizer: -1 (none) unless --null-tokenizer-pad-id
         for flag, value in (("--null-tokenizer-eod-id", self.eod), ("--null-tokenizer-pad-id", self.pad)):
-            if value >= self.vocab_size:
+            if value >= self.vocab_size or value < -1 or (value == -1 and flag.endswith("eod-id")):
                 raise DataError(
                     f"{flag} {value} is outside the vocabulary [0, {self.vocab_size}); raise --vocab-size or lower it"
                 )
@@ -226,6 +226,19 @@ def build_tokenizer_with(o: TokenizerOptions) -> Tokenizer:
     if not o.tokenizer_model:
         raise DataError(f"--tokenizer-type {o.tokenizer_type} needs --tokenizer-model FILE.model")
     return SentencePieceTokenizer(o.tokenizer_model, add_bos=o.legacy and o.tokenizer_type == "Llama2Tokenizer")
+
+
+# The types whose vocabulary is --vocab-size itself; every other type has its own, which --vocab-size may only exceed.
+VOCAB_FROM_FLAG = ("NullTokenizer", "TikTokenizer")
+
+
+def check_vocab_size(tokenizer: Tokenizer, o: TokenizerOptions) -> None:
+    """A --vocab-size below the tokenizer's vocabulary is refused: its ids past it would have no embedding row."""
+    if o.vocab_size is not None and o.tokenizer_type not in VOCAB_FROM_FLAG and o.vocab_size < tokenizer.vocab_size:
+        raise DataError(
+            f"--vocab-size {o.vocab_size} is smaller than the vocabulary of tokenizer {o.source()} ({tokenizer.vocab_size} "
+            f"tokens); raise it to at least {tokenizer.vocab_size} or leave it out to use the tokenizer's"
+        )
 
 
 def tokenizer_file_kind(path: str) -> str:
