@@ -14,6 +14,9 @@ Megatron is not a test dependency; run this once in its own environment:
         tiktoken==0.14.0 sentencepiece==0.2.1
     PYTHONPATH=/tmp/extra-tok /tmp/mcore/bin/python scripts/make_tokenizer_fixtures.py --megatron-lm /tmp/Megatron-LM
 
+(not with the checkout on PYTHONPATH: megatron.core must be the installed megatron-core, and the tool
+appends the checkout after site-packages itself).
+
 megatron-core's GPT2BPETokenizer loads AutoTokenizer.from_pretrained("gpt2", vocab_file=..., merges_file=...):
 offline, "gpt2" resolves to a directory of that name in the working directory, which this script makes
 (config.json with model_type gpt2, and the same vocab.json and merges.txt).
@@ -27,7 +30,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import zlib
@@ -196,15 +198,20 @@ def main() -> int:
     out = json.loads(Path(args.output).read_text()) if Path(args.output).is_file() else {"cases": {}}
     out.update(versions=VERSIONS, inputs={k: real_tokenizers.sha256(Path(p)) for k, p in paths.items()})
     out["corpora"] = {k: hashlib.sha256(p.read_bytes()).hexdigest() for k, p in corpora.items()}
+    # Megatron's tool runs in this process, one call of its main() per run: its multiprocessing pool forks
+    # from here, so megatron and transformers are imported once, not once per run. Its own sys.path edit
+    # puts the checkout after site-packages: megatron.core is the installed 0.19.2 (checked above).
+    sys.path.insert(0, f"{args.megatron_lm}/tools")
+    import preprocess_data as tool  # an importable module: its pool pickles its Encoder's methods by reference
+    assert megatron.core.__file__.startswith(sys.prefix), megatron.core.__file__
+    os.environ["HF_HUB_OFFLINE"] = "1"
     with tempfile.TemporaryDirectory() as work:
         gpt2 = Path(work) / "gpt2"  # what AutoTokenizer.from_pretrained("gpt2") finds offline
         gpt2.mkdir()
         shutil.copy(paths["gpt2_vocab"], gpt2 / "vocab.json")
         shutil.copy(paths["gpt2_merges"], gpt2 / "merges.txt")
         (gpt2 / "config.json").write_text('{"model_type": "gpt2"}')
-        # preprocess_data.py appends the checkout to sys.path itself, after site-packages: megatron.core is the
-        # installed 0.19.2 and megatron.training the checkout's (megatron is a namespace package in both).
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        os.chdir(work)
         for case in args.cases:
             flags, corpus = CASES[case]
             results = {}
@@ -212,17 +219,16 @@ def main() -> int:
                 seen = []
                 for workers in (1, 2):
                     prefix = Path(work) / f"{case}-{eod}-{workers}"
-                    cmd = [sys.executable, f"{args.megatron_lm}/tools/preprocess_data.py", "--input", str(corpora[corpus])]
-                    cmd += ["--output-prefix", str(prefix), "--workers", str(workers), "--log-interval", "100000"]
-                    cmd += flags_with(flags, paths) + (["--append-eod"] if eod else [])
-                    done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900)
-                    if done.returncode != 0:
-                        sys.exit(f"{case}: megatron failed:\n{done.stderr[-3000:]}")
+                    argv = ["--input", str(corpora[corpus]), "--output-prefix", str(prefix), "--workers", str(workers)]
+                    argv += ["--log-interval", "100000"] + flags_with(flags, paths) + (["--append-eod"] if eod else [])
+                    sys.argv = ["preprocess_data.py", *argv]
+                    tool.main()
                     seen.append(read_output(Path(f"{prefix}_text_document")))
                 assert seen[0] == seen[1], f"{case} eod={eod}: megatron's --workers 1 and 2 differ"
                 results["eod" if eod else "plain"] = seen[0]
                 print(f"{case} eod={eod}: {seen[0]['tokens']} tokens, {seen[0]['dtype']}", flush=True)
             out["cases"][case] = {"flags": flags, "corpus": corpus, **results}
+        os.chdir(ROOT)
     Path(args.output).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     print(f"wrote {args.output}")
     return 0
