@@ -203,6 +203,7 @@ def main() -> int:
     # puts the checkout after site-packages: megatron.core is the installed 0.19.2 (checked above).
     sys.path.insert(0, f"{args.megatron_lm}/tools")
     import preprocess_data as tool  # an importable module: its pool pickles its Encoder's methods by reference
+
     assert megatron.core.__file__.startswith(sys.prefix), megatron.core.__file__
     os.environ["HF_HUB_OFFLINE"] = "1"
     with tempfile.TemporaryDirectory() as work:
