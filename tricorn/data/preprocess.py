@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import contextlib
 import dataclasses
 import gzip
 import json
@@ -44,7 +45,7 @@ from tricorn.data.indexed import IndexedDatasetBuilder, best_token_dtype, data_f
 from tricorn.data.tokenizer import TOKENIZER_TYPES, Tokenizer, TokenizerOptions, build_tokenizer_with, check_vocab_size
 
 CHUNK_LINES = 256
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 1 << 18  # 256 KB: a few MB of input already keeps --workers busy
 FIRST_REPORTED = 5
 EMPTY = "empty document"
 
@@ -224,10 +225,25 @@ def read_chunks(paths: Sequence[str]) -> Iterator[Chunk]:
             yield Chunk(file_index, first, lines)
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """--workers 1 is one CPU: the tokenizers library's batch encoder runs without its thread pool meanwhile."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
 def _ordered_results(chunks: Iterator[Chunk], workers: int, init_args: tuple) -> Iterator[ChunkResult]:
     if workers <= 1:
-        _init_worker(*init_args)
-        yield from map(encode_chunk, chunks)
+        with _one_thread():
+            _init_worker(*init_args)
+            yield from map(encode_chunk, chunks)
         return
     # spawn: no fork of a process holding open output files; workers import numpy and their tokenizer library only.
     with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=init_args + (1,)) as pool:
