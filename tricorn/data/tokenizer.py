@@ -1,17 +1,20 @@
-"""Tokenizers (NullTokenizer, SentencePieceTokenizer) and `tricorn tokenizer train`.
+"""Tokenizers: the interface, NullTokenizer, SentencePieceTokenizer, the type -> class table, and `tricorn tokenizer train`.
 
-Both share one small interface: encode, decode, vocab_size, eod, pad (pad -1:
-none). Every Megatron --tokenizer-type is accepted, by preprocessing and by
-training alike, with megatron-core (>= 0.18) semantics:
+Every tokenizer has one small interface: encode, encode_batch, decode, vocab_size, eod, pad and bos (-1:
+none). Every Megatron --tokenizer-type below is accepted, by preprocessing and by training alike, with
+megatron-core (>= 0.18) semantics; TokenizerOptions holds Megatron's tokenizer flags:
 
-- NullTokenizer(V): text is whitespace-separated token ids; vocabulary V, eod
-  V - 1, no pad. With --legacy-tokenizer, legacy Megatron's: eod is id V on
-  top of the V text ids, vocabulary V + 1.
+- NullTokenizer(V): text is whitespace-separated token ids; vocabulary V, eod V - 1 (or
+  --null-tokenizer-eod-id), pad --null-tokenizer-pad-id (-1: none). With --legacy-tokenizer, legacy
+  Megatron's: eod is id V on top of the V text ids, vocabulary V + 1.
 - SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer (model):
   vocab_size is the model's piece count, eod its </s> id, pad its <pad> id
   (none when it has none); no BOS. With --legacy-tokenizer, Llama2Tokenizer
   puts BOS before every document as legacy Megatron's did (legacy
   SentencePieceTokenizer, with its own added special tokens, is refused).
+- GPT2BPETokenizer, HuggingFaceTokenizer: tricorn/data/hf_tokenizer.py (the `tokenizers` library).
+- TikTokenizer, and tricorn's Llama3Tokenizer (Llama 3's tokenizer.model): tricorn/data/tiktoken_tokenizers.py
+  (the `tiktoken` library). Those modules, and their libraries, are imported only when such a type is built.
 - loss_pad_id: the id whose labels are left out of the loss, -1 when the pad
   id is missing or shared with eod/BOS (megatron-core then masks nothing).
 
