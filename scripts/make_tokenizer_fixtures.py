@@ -141,14 +141,6 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "null": (["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--null-tokenizer-eod-id", "5"], "null"),
 }
-INPUTS = {
-    "gpt2_vocab": lambda: real_tokenizers.gpt2_vocab_merges()[0],
-    "gpt2_merges": lambda: real_tokenizers.gpt2_vocab_merges()[1],
-    "hf_gpt2_bos": real_tokenizers.hf_gpt2_bos_dir,
-    "hf_llama3": real_tokenizers.hf_llama3_dir,
-    "hf_anthropic": real_tokenizers.hf_anthropic_dir,
-    "megatron_tiktoken": real_tokenizers.megatron_tiktoken_json,
-}
 
 
 def write_corpus(path: Path, texts: list[str]) -> None:
@@ -194,7 +186,7 @@ def main() -> int:
     }
     write_corpus(corpora["text"], CORPUS)
     write_corpus(corpora["null"], NULL_CORPUS)
-    paths = {name: str(fn()) for name, fn in INPUTS.items()}
+    paths = {name: str(fn()) for name, fn in real_tokenizers.FIXTURE_INPUTS.items()}
     out = json.loads(Path(args.output).read_text()) if Path(args.output).is_file() else {"cases": {}}
     out.update(versions=VERSIONS, inputs={k: real_tokenizers.sha256(Path(p)) for k, p in paths.items()})
     out["corpora"] = {k: hashlib.sha256(p.read_bytes()).hexdigest() for k, p in corpora.items()}

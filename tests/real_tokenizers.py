@@ -357,6 +357,17 @@ def hf_anthropic_dir() -> Path:
     return _write_dir(cache_dir() / "files" / "hf-anthropic", {"tokenizer_config.json": config, "tokenizer.json": tok})
 
 
+# The inputs of the Megatron fixtures (scripts/make_tokenizer_fixtures.py), by the name its flags use: {gpt2_vocab}.
+FIXTURE_INPUTS = {
+    "gpt2_vocab": lambda: gpt2_vocab_merges()[0],
+    "gpt2_merges": lambda: gpt2_vocab_merges()[1],
+    "hf_gpt2_bos": hf_gpt2_bos_dir,
+    "hf_llama3": hf_llama3_dir,
+    "hf_anthropic": hf_anthropic_dir,
+    "megatron_tiktoken": megatron_tiktoken_json,
+}
+
+
 def sha256(path: Path) -> str:
     paths = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) if path.is_dir() else [path]
     h = hashlib.sha256()

@@ -32,21 +32,13 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = json.loads((ROOT / "tests/fixtures/megatron_tokenizers.json").read_text())
 CORPORA = {"text": ROOT / "tests/fixtures/tokenizer_corpus.jsonl", "null": ROOT / "tests/fixtures/tokenizer_null_corpus.jsonl"}
 FIXTURE_TEXTS = [json.loads(line)["text"] for line in CORPORA["text"].read_text(encoding="utf-8").splitlines()]
-INPUTS = {
-    "gpt2_vocab": lambda: real.gpt2_vocab_merges()[0],
-    "gpt2_merges": lambda: real.gpt2_vocab_merges()[1],
-    "hf_gpt2_bos": real.hf_gpt2_bos_dir,
-    "hf_llama3": real.hf_llama3_dir,
-    "hf_anthropic": real.hf_anthropic_dir,
-    "megatron_tiktoken": real.megatron_tiktoken_json,
-}
 
 
 @pytest.fixture(scope="session")
 def files() -> dict[str, str]:
     """The real files (fetched once per machine), each the very input Megatron's fixture was made from."""
     try:
-        paths = {name: fn() for name, fn in INPUTS.items()}
+        paths = {name: fn() for name, fn in real.FIXTURE_INPUTS.items()}
         paths["llama3_model"], paths["tekken"] = real.llama3_tokenizer_model(), real.tekken_json()
     except real.Unavailable as e:
         pytest.skip(f"real tokenizer files unavailable: {e}")
@@ -98,11 +90,11 @@ def test_preprocess_writes_megatron_bytes(files, tmp_path, case):
 
 
 def test_two_workers_write_the_same_bytes(files, tmp_path, monkeypatch):
-    """--workers 2 with chunks of 4 lines (the corpus in 9 chunks, out of order across the workers): Megatron's bytes."""
+    """--workers 2 with chunks of 4 lines (the corpus in 9 chunks, spread over the workers): Megatron's bytes."""
     monkeypatch.setattr(prep, "CHUNK_LINES", 4)
-    spec = FIXTURE["cases"]["hf-llama3"]
+    spec = FIXTURE["cases"]["hf-gpt2-bos"]
     prefix = _run(tmp_path, "w2", spec["corpus"], _flags(spec["flags"], files), True, workers=2)
-    assert_megatron_bytes(prefix, spec["eod"], "hf-llama3 at --workers 2")
+    assert_megatron_bytes(prefix, spec["eod"], "hf-gpt2-bos at --workers 2")
 
 
 @pytest.mark.parametrize("variant", ["plain", "eod", "nospecial"])
@@ -181,45 +173,34 @@ def test_huggingface_loading_rules_match_transformers(files, tmp_path):
     transformers = pytest.importorskip("transformers")
     gpt2 = Path(files["hf_gpt2_bos"])
     text = FIXTURE_TEXTS + ["<|im_start|>x<|im_end|> <new> Ġ"]
-    variants = {
-        "llama-class-bos-eos": {
+    eos_map = {"content": "<|endoftext|>", "lstrip": False, "normalized": True, "rstrip": False, "single_word": False}
+    im_end = {
+        "content": "<|im_end|>",
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "single_word": False,
+        "special": True,
+    }
+    variants = {  # each exercises several rules at once: a transformers load costs a second on this box
+        "llama-class": {
             "tokenizer_class": "LlamaTokenizerFast",
             "bos_token": "<|endoftext|>",
-            "eos_token": "<|endoftext|>",
+            "eos_token": "<|im_end|>",
             "add_eos_token": True,
             "unk_token": None,
+            "added_tokens_decoder": {"50257": im_end},
         },
         "neox-no-bos": {"tokenizer_class": "GPTNeoXTokenizerFast"},
-        "added-decoder": {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "eos_token": "<|im_end|>",
-            "added_tokens_decoder": {
-                "50257": {
-                    "content": "<|im_end|>",
-                    "lstrip": False,
-                    "rstrip": False,
-                    "normalized": False,
-                    "single_word": False,
-                    "special": True,
-                }
-            },
+        "gpt2-legacy-map": {
+            "tokenizer_class": "GPT2TokenizerFast",
+            "split_special_tokens": True,
+            "add_prefix_space": True,
+            "pad_token": "<new>",
         },
-        "legacy-map": {"tokenizer_class": "GPT2TokenizerFast", "split_special_tokens": True},
-        "prefix-space": {"tokenizer_class": "PreTrainedTokenizerFast", "add_prefix_space": True, "pad_token": "<new>"},
     }
     extra = {
-        "legacy-map": {
-            "special_tokens_map.json": {
-                "eos_token": {
-                    "content": "<|endoftext|>",
-                    "lstrip": False,
-                    "normalized": True,
-                    "rstrip": False,
-                    "single_word": False,
-                },
-                "additional_special_tokens": ["<|im_start|>"],
-            }
-        }
+        "gpt2-legacy-map": {"special_tokens_map.json": {"eos_token": eos_map, "additional_special_tokens": ["<|im_start|>"]}}
     }
     for name, config in variants.items():
         folder = _variant(tmp_path, gpt2, name, config, extra.get(name))

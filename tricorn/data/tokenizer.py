@@ -206,7 +206,35 @@ def build_tokenizer_from(
     return build_tokenizer_with(TokenizerOptions(tokenizer_type, tokenizer_model, vocab_size, legacy))
 
 
+# Built tokenizers by (options, the files' sizes and times): a run builds its tokenizer before launch and again for
+# the loaders, and a 128k-token BPE takes a second or two to load. A changed file is a new key.
+_built: dict[tuple, Tokenizer] = {}
+_HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json", "added_tokens.json")
+
+
+def _file_stamps(o: TokenizerOptions) -> tuple:
+    stamps = []
+    for path in (o.tokenizer_model, o.vocab_file, o.merge_file):
+        for f in [os.path.join(path, n) for n in _HF_FILES] if path and os.path.isdir(path) else [path]:
+            try:
+                st = os.stat(f) if f else None
+            except OSError:
+                st = None
+            stamps.append((f, st.st_size, st.st_mtime_ns) if st else (f, None, None))
+    return tuple(stamps)
+
+
 def build_tokenizer_with(o: TokenizerOptions) -> Tokenizer:
+    """The tokenizer the options name (DataError, one line, when its files are missing or wrong); cached per process."""
+    key = (o, _file_stamps(o))
+    if key not in _built:
+        if len(_built) >= 4:
+            _built.clear()
+        _built[key] = _build(o)
+    return _built[key]
+
+
+def _build(o: TokenizerOptions) -> Tokenizer:
     kind = TOKENIZER_TYPES.get(o.tokenizer_type)
     if kind is None:
         raise DataError(f"unknown --tokenizer-type {o.tokenizer_type}; use one of {', '.join(TOKENIZER_TYPES)}")
