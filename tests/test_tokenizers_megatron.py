@@ -266,3 +266,27 @@ def test_preprocess_refuses_a_small_vocab_size_and_a_bad_pattern(files, tmp_path
         )
     assert "invalid choice: 'v3'" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_checkpoint_vocabulary_against_the_tokenizer(files, tmp_path):
+    """--load: the checkpoint's vocabulary must be the tokenizer's, or that padded as Megatron pads it (then taken)."""
+    from tricorn.config import config_from_args
+    from tricorn.data.loader import prepare_vocab
+
+    gpt2 = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", files["gpt2_vocab"], "--merge-file", files["gpt2_merges"]]
+    data = _run(tmp_path, "gpt2", "text", gpt2, True)
+
+    def errors_with_checkpoint(vocab: int, *flags: str):
+        save = tmp_path / f"ckpt{vocab}"
+        (save / "iter_0000000").mkdir(parents=True)
+        (save / "latest_checkpointed_iteration.txt").write_text("0")
+        (save / "iter_0000000/config.yaml").write_text(f"model:\n  vocab_size: {vocab}\n")
+        cfg = config_from_args(["--device", "cpu", "--data-path", str(data), "--load", str(save), *gpt2, *flags], world_size=1)
+        return prepare_vocab(cfg), cfg.model.vocab_size
+
+    assert errors_with_checkpoint(50257) == ([], 50257)
+    assert errors_with_checkpoint(50304) == ([], 50304)  # a Megatron checkpoint: GPT-2's vocabulary padded to 128
+    errors, _ = errors_with_checkpoint(32000)
+    assert len(errors) == 1 and "has a vocabulary of 32000 but tokenizer" in errors[0] and "50257" in errors[0]
+    errors, _ = errors_with_checkpoint(128256, "--vocab-size", "128256")  # a bigger --vocab-size does not hide it
+    assert len(errors) == 1 and "has a vocabulary of 128256" in errors[0]

@@ -37,6 +37,7 @@ from tricorn.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split
 from tricorn.data.indexed import IndexedDataset
 from tricorn.data.skip_samples import read_skip_samples
 from tricorn.data.tokenizer import (
+    VOCAB_FROM_FLAG,
     Tokenizer,
     TokenizerOptions,
     build_tokenizer,
@@ -246,7 +247,7 @@ def _checkpoint_vocab(cfg: Any, tokenizer: Tokenizer, source: str, explicit: boo
             f"(padded {padded.padded_vocab_size(cfg.parallel.tensor_model_parallel_size)}): they do not belong together; "
             f"pass the tokenizer the checkpoint was trained with"
         )
-    if not explicit:
+    if not explicit and cfg.data.tokenizer_type not in VOCAB_FROM_FLAG:  # for those, --vocab-size is the tokenizer's
         m.vocab_size = saved
     return ""
 

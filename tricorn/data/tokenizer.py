@@ -27,6 +27,7 @@ whitespace (so decode(encode(x)) == x and indentation survives), byte fallback
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import importlib
 import json
@@ -226,6 +227,8 @@ def _file_stamps(o: TokenizerOptions) -> tuple:
 
 def build_tokenizer_with(o: TokenizerOptions) -> Tokenizer:
     """The tokenizer the options name (DataError, one line, when its files are missing or wrong); cached per process."""
+    if o.tokenizer_type not in VOCAB_FROM_FLAG and o.vocab_size is not None:
+        o = dataclasses.replace(o, vocab_size=None)  # only a floor for these types: the same tokenizer either way
     key = (o, _file_stamps(o))
     if key not in _built:
         if len(_built) >= 4:
