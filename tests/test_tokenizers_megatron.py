@@ -290,3 +290,19 @@ def test_checkpoint_vocabulary_against_the_tokenizer(files, tmp_path):
     assert len(errors) == 1 and "has a vocabulary of 32000 but tokenizer" in errors[0] and "50257" in errors[0]
     errors, _ = errors_with_checkpoint(128256, "--vocab-size", "128256")  # a bigger --vocab-size does not hide it
     assert len(errors) == 1 and "has a vocabulary of 128256" in errors[0]
+
+
+def test_tokenizer_libraries_are_imported_only_to_tokenize():
+    """A process that never builds a BPE tokenizer (a preprocess worker of another type, like its parent) pays nothing;
+    nor torch: a worker imports what tokenizing needs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tricorn.data.preprocess\n"
+        "from tricorn.data.tokenizer import TokenizerOptions, build_tokenizer_with\n"
+        "build_tokenizer_with(TokenizerOptions('NullTokenizer', vocab_size=10))\n"
+        "print(sorted(m for m in ('tokenizers', 'tiktoken', 'transformers', 'torch') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
