@@ -16,7 +16,7 @@ import torch
 from document_reference import allowed_mask, packed_corpus, reference_loss
 from harness import BASE_FLAGS, FP32_RTOL, assert_equivalent, reference
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.data.documents import starts_from_bounds
 from tricorn.data.loader import build_loaders
 from tricorn.model.transformer import GPTModel

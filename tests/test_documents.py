@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_data_megatron import load_npz, npz_cases
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.data.base import GlobalBatchLoader
 from tricorn.data.documents import document_bounds, document_starts, starts_from_bounds
 from tricorn.data.indexed import IndexedDatasetBuilder

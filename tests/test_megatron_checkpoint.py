@@ -26,7 +26,7 @@ from tricorn.checkpoint.interop.megatron_export import export_megatron
 from tricorn.checkpoint.interop.megatron_mapping import tensor_map, to_tricorn
 from tricorn.checkpoint.io import iter_name, read_meta, read_tensors
 from tricorn.cli import main as cli
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_ckpt"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())

@@ -19,7 +19,7 @@ import torch
 from document_reference import allowed_mask
 
 from tricorn.attention_kernels import FLASH, AttentionCall, cuda_sdpa_kernel, masked_attention_refusal
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.data.documents import document_bounds, starts_from_bounds
 from tricorn.model import masking, varlen
 
