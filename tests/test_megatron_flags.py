@@ -81,10 +81,10 @@ def test_issue_38s_megatron_command_line_trains_after_one_line_of_no_ops(tmp_pat
 
 
 def test_a_math_flag_tricorn_lacks_is_one_error_line_naming_it(tmp_path):
-    run = run_layout([*MEGATRON_LINE, "--eod-mask-loss", "--qk-layernorm"], 1, tmp_path, check=False)
+    run = run_layout([*MEGATRON_LINE, "--fp16-lm-cross-entropy", "--qk-layernorm"], 1, tmp_path, check=False)
     errors = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 2 and len(errors) == 1, run.stderr
-    assert errors[0].startswith("tricorn: error: Megatron flags tricorn does not implement: --eod-mask-loss (changes the loss")
+    assert errors[0].startswith("tricorn: error: Megatron flags tricorn does not implement: --fp16-lm-cross-entropy (changes the loss")
     assert "--qk-layernorm (changes the model" in errors[0]
 
 
@@ -141,12 +141,14 @@ def test_megatron_yaml_lists_the_math_a_checkpoints_args_ask_for():
     args = {"hidden_size": 64, "num_attention_heads": 4, "add_bias_linear": True, "add_qkv_bias": True}
     args.update(kv_channels=16, ckpt_format="torch", rerun_mode="validate_results", exit_signal="Signals.SIGTERM")
     assert not_reproduced(args) == []  # the format and the rerun machine say how Megatron ran, not what it trained
+    # --eod-mask-loss is tricorn's (implemented), but with it Megatron's per-microbatch loss mean is not tricorn's
     args.update(eod_mask_loss=True, calculate_per_token_loss=False, optimizer="sgd", tokenizer_type="BertWordPieceLowerCase")
+    args.update(fp16_lm_cross_entropy=True)
     listed = not_reproduced(args)
     assert listed == [
         "--calculate-per-token-loss=False",
         "--optimizer=sgd",
-        "--eod-mask-loss=True",
+        "--fp16-lm-cross-entropy=True",
         "--tokenizer-type=BertWordPieceLowerCase",
     ], listed
 
