@@ -94,3 +94,32 @@ def test_bounds_and_starts_agree_on_edge_cases():
     assert torch.equal(starts_from_bounds(document_bounds(tokens, eod)), document_starts(tokens, eod))
     # an eod as the last input token ends a document without starting one inside the sample
     assert document_starts(tokens, eod)[1].tolist() == [0] * 6
+
+
+def test_a_tokenizer_without_an_end_of_document_token_is_refused(monkeypatch):
+    from types import SimpleNamespace
+
+    from tricorn.data import loader
+
+    cfg = config_from_args(["--device", "cpu", "--mock-data", "--vocab-size", "100", "--reset-attention-mask", "--eod-mask-loss"])
+    assert loader.document_flag_errors(cfg) == []  # the NullTokenizer's eod is V - 1
+    monkeypatch.setattr(loader, "_document_tokenizer", lambda cfg: SimpleNamespace(eod=-1))  # a model without eos
+    (line,) = loader.document_flag_errors(cfg)
+    assert line.startswith("--reset-attention-mask --eod-mask-loss read the end-of-document token, but tokenizer")
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--window-size", "4096,4096"], "RIGHT must be 0; use --window-size 4096,0"),
+        (["--window-size", "0"], "LEFT must be a positive number"),
+        (["--window-size", "1,0,0"], "must be LEFT or LEFT,RIGHT"),
+        (["--window-size", "a"], "must be integers separated by a comma"),
+        (["--reset-attention-mask", "--attention-dropout", "0.1"], "--attention-dropout 0.1 with --reset-attention-mask"),
+    ],
+)
+def test_bad_document_and_window_input_is_one_line(tmp_path, extra, needle):
+    from badinput import assert_refused
+    from harness import BASE_FLAGS
+
+    assert_refused(BASE_FLAGS + extra, tmp_path, needle=needle)

@@ -84,7 +84,9 @@ def test_a_math_flag_tricorn_lacks_is_one_error_line_naming_it(tmp_path):
     run = run_layout([*MEGATRON_LINE, "--fp16-lm-cross-entropy", "--qk-layernorm"], 1, tmp_path, check=False)
     errors = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 2 and len(errors) == 1, run.stderr
-    assert errors[0].startswith("tricorn: error: Megatron flags tricorn does not implement: --fp16-lm-cross-entropy (changes the loss")
+    assert errors[0].startswith(
+        "tricorn: error: Megatron flags tricorn does not implement: --fp16-lm-cross-entropy (changes the loss"
+    )
     assert "--qk-layernorm (changes the model" in errors[0]
 
 

@@ -136,3 +136,7 @@ def test_whole_sequences_in_bf16_run_varlen_flash_and_cp_blocks_do_not():
     assert cuda_sdpa_kernel(fp32) != FLASH
     cfg = config_from_args(["--device", "cpu", "--mock-data", "--vocab-size", "100", "--reset-attention-mask", "--bf16"])
     assert masked_attention_refusal(cfg) is None
+    # fp32 with head dim 6: flash takes no fp32, the efficient kernel no head dim off its alignment: refused at launch
+    odd = ["--device", "cpu", "--mock-data", "--vocab-size", "100", "--window-size", "8", "--hidden-size", "60"]
+    line = masked_attention_refusal(config_from_args([*odd, "--num-attention-heads", "10"]))
+    assert line is not None and "flash refuses: dtype torch.float32" in line and "efficient refuses: head dims" in line

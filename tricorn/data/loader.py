@@ -228,7 +228,7 @@ def document_flag_errors(cfg: Any) -> list[str]:
         return [str(e)]
     if int(tokenizer.eod) >= 0:
         return []
-    source = d.tokenizer_model or tokenizer.name
+    source = "NullTokenizer" if d.mock_data else TokenizerOptions.from_config(cfg).source()
     return [
         f"{' '.join(flags)} read the end-of-document token, but tokenizer {source} has none (no eos piece); "
         "use a tokenizer with one or drop the flag"
