@@ -46,6 +46,8 @@ def resolve_config(argv: Optional[list[str]]) -> Config:
 
 def _attention_kernel_errors(cfg: Config) -> list[str]:
     """Documents / windows whose block calls no fused kernel of this GPU takes (attention_kernels.py)."""
+    if not (cfg.data.reset_attention_mask or cfg.model.attention_window is not None):
+        return []  # plain causal attention: SDPA picks its kernel (math_fallback_warning says when it is math)
     import torch
 
     from tricorn.attention_kernels import masked_attention_refusal
