@@ -161,11 +161,19 @@ def _runs(flat: Sequence[int]) -> list[Run]:
 def plan_for(q: torch.Tensor, documents: Optional[torch.Tensor], q_runs, k_runs, seq_length: int, window: int) -> list[Block]:
     if documents is not None and documents.shape[0] != q.shape[0]:
         raise ValueError(f"document bounds for {documents.shape[0]} samples, attention over {q.shape[0]}")
-    return plan(_runs(q_runs), _runs(k_runs), seq_length, None if window < 0 else window, _rows(documents))
+    return plan(_runs(q_runs), _runs(k_runs), seq_length, None if window < 0 else window, document_rows(documents))
 
 
-def _rows(documents: Optional[torch.Tensor]) -> Optional[list[list[int]]]:
-    return None if documents is None else bounds_rows(documents)
+def document_rows(documents: Optional[torch.Tensor]) -> Optional[list[list[int]]]:
+    """The bounds as host integers. Every layer of a microbatch, forward and backward, reads the same tensor: it is
+    decoded once and kept on the tensor (it goes with it), with the version it was read at (an in-place change)."""
+    if documents is None:
+        return None
+    hit = getattr(documents, "_tricorn_rows", None)
+    if hit is None or hit[0] != documents._version:
+        hit = (documents._version, bounds_rows(documents))
+        documents._tricorn_rows = hit
+    return hit[1]
 
 
 def _varlen(q, k, v, q_runs, k_runs, seq_length: int) -> bool:
@@ -190,7 +198,7 @@ def attend_masked(
     """(out, lse) of q's rows over k/v's under the rule; runs flattened (local, global, length) triples,
     window -1 for none. Rows that see nothing get out 0 and lse -inf."""
     if _varlen(q, k, v, q_runs, k_runs, seq_length):
-        return varlen.forward(q, k, v, _rows(documents), None if window < 0 else window)
+        return varlen.forward(q, k, v, documents, document_rows(documents), None if window < 0 else window)
     return attend(q, k, v, plan_for(q, documents, q_runs, k_runs, seq_length, window))
 
 
@@ -215,7 +223,7 @@ def attend_masked_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of attend_masked given the rows' global out and lse."""
     if _varlen(q, k, v, q_runs, k_runs, seq_length):
-        return varlen.backward(dout, q, k, v, out, lse, _rows(documents), None if window < 0 else window)
+        return varlen.backward(dout, q, k, v, out, lse, documents, document_rows(documents), None if window < 0 else window)
     return attend_backward(dout, q, k, v, out, lse, plan_for(q, documents, q_runs, k_runs, seq_length, window))
 
 

@@ -71,10 +71,23 @@ def _window(window: Optional[int]) -> tuple[bool, int, int]:
     return (True, -1, 0) if window is None else (False, window, 0)
 
 
-def forward(q, k, v, rows, window: Optional[int], ops=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out in q's layout, lse [b, heads, s] fp32) of causal attention within documents and the window."""
+def _cu(documents: Optional[torch.Tensor], rows, b: int, s: int, device: torch.device) -> torch.Tensor:
+    """cu_seqlens of a microbatch, copied to the device once for all its layers (kept on the bounds tensor)."""
+    if documents is None:
+        return cu_seqlens(rows, b, s, device)
+    key = (documents._version, b, s, device)
+    hit = getattr(documents, "_tricorn_cu", None)
+    if hit is None or hit[0] != key:
+        hit = (key, cu_seqlens(rows, b, s, device))
+        documents._tricorn_cu = hit
+    return hit[1]
+
+
+def forward(q, k, v, documents, rows, window: Optional[int], ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's layout, lse [b, heads, s] fp32) of causal attention within documents (`rows`: the host bounds
+    `documents` decoded) and the window."""
     b, h, s, _ = q.shape
-    cu = cu_seqlens(rows, b, s, q.device)
+    cu = _cu(documents, rows, b, s, q.device)
     causal, left, right = _window(window)
     fwd = (ops or _aten)._flash_attention_forward
     out, lse, *_ = fwd(
@@ -84,10 +97,10 @@ def forward(q, k, v, rows, window: Optional[int], ops=None) -> tuple[torch.Tenso
     return _unpacked(out, q), lse.view(h, b, s).transpose(0, 1).contiguous()
 
 
-def backward(dout, q, k, v, out, lse, rows, window: Optional[int], ops=None) -> tuple[torch.Tensor, ...]:
+def backward(dout, q, k, v, out, lse, documents, rows, window: Optional[int], ops=None) -> tuple[torch.Tensor, ...]:
     """dq, dk, dv (in q's, k's, v's layouts) of `forward`, from its out and lse."""
     b, h, s, _ = q.shape
-    cu = cu_seqlens(rows, b, s, q.device)
+    cu = _cu(documents, rows, b, s, q.device)
     causal, left, right = _window(window)
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout 0: never read
     unused = torch.empty(0, device=q.device)

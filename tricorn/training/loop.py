@@ -30,8 +30,8 @@ from torch import nn
 
 from tricorn.config import Config
 from tricorn.data.base import Batch, GlobalBatchLoader
-from tricorn.data.documents import bounds_rows
 from tricorn.lr_schedule import schedule_from_config, steps_can_be_skipped
+from tricorn.model.masking import document_rows
 from tricorn.parallel.batch_schedule import MicrobatchCalculator
 from tricorn.parallel.context import slice_batch
 from tricorn.parallel.expert import MoEMonitor
@@ -209,7 +209,7 @@ class Trainer:
         with self.timers(DATA_LOADING), self._own_work():
             batch = self.train_loader.next(gbs)
         if self.attention_pairs is not None:  # host integers of the host batch: nothing waits for the device
-            rows = None if batch.documents is None else bounds_rows(batch.documents)
+            rows = None if batch.documents is None else document_rows(batch.documents)
             self.attention_pairs += useful_pairs(rows, len(batch), self.cfg.model.seq_length, self.cfg.model.attention_window)
         maybe_inject(self.state.rank, self.iteration)  # tests only: $TRICORN_TEST_FAULT kills/stops/stalls a rank
         loss, info = self.train_step(batch, nmb)
