@@ -49,7 +49,12 @@ VOCAB = 40  # SentencePiece pieces: <unk> <s> </s> <pad> and 36 characters
 PAD_ID, EOD_ID = 3, 2
 CORPUS = "corpus_text_document"
 TOKENIZER = "tokenizer.model"
-CLIP_GRAD = 1.4  # between the runs' grad norms: some iterations are clipped, some not
+# megatron-core 0.19.2's GPTDataset caches the loss mask of the first sample a process reads *after* zeroing that
+# sample's pad labels in place, so every later sample inherits those zeros (a bug tricorn does not copy). With
+# this corpus seed the samples each rank reads first hold no pad label, so Megatron's masks are each sample's own;
+# `pretrain_patches` checks it during every run.
+CORPUS_SEED = 28
+CLIP_GRAD = 1.2  # between the runs' grad norms: some iterations are clipped, some not
 
 COMMON = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -74,7 +79,7 @@ LLAMA = [
 ]  # fmt: skip
 GPT = [
     "--normalization", "LayerNorm", "--ffn-hidden-size", "64", "--position-embedding-type", "learned_absolute",
-    "--micro-batch-size", "2", "--global-batch-size", "8",  # 2 microbatches on each of 2 ranks
+    "--micro-batch-size", "2", "--global-batch-size", "8",  # 2 microbatches on each of 2 DP ranks (4 at PP2)
 ]  # fmt: skip
 DISTOPT = ["--use-distributed-optimizer"]
 
@@ -126,10 +131,10 @@ def write_tokenizer(out: Path) -> None:
 
 
 def write_corpus(out: Path) -> None:
-    """300 documents of 2-30 ids, a third padded with 1-6 pad tokens before their eod (as a padded export would be)."""
+    """300 documents of 2-30 ids, about a third padded with 1-6 pad tokens before their eod (as a padded export would be)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(CORPUS_SEED)
     builder = IndexedDatasetBuilder(str(out / f"{CORPUS}.bin"), dtype=np.uint16)
     for _ in range(300):
         doc = list(rng.integers(PAD_ID + 1, VOCAB, size=int(rng.integers(2, 31))))
@@ -149,10 +154,12 @@ def pretrain_patches():
 
     initialize_megatron asserts CUDA (so it is reported present, with one device); the JIT fusion warm-up runs
     CUDA kernels (skipped: every fusion is off); the C++ dataset helpers are the wheel's prebuilt ones (no
-    `make`); batches are not pinned; torch.optim's CUDA-graph capture check is skipped."""
+    `make`); batches are not pinned; torch.optim's CUDA-graph capture check is skipped. And a check: the loss
+    mask GPTDataset caches holds no pad zeros (CORPUS_SEED)."""
     import megatron.core.datasets.utils as dataset_utils
     import megatron.training.training as training
     import torch
+    from megatron.core.datasets.gpt_dataset import GPTDataset
 
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 1
@@ -162,6 +169,15 @@ def pretrain_patches():
     torch.optim.Optimizer._accelerator_graph_capture_health_check = lambda self: None
     dataset_utils.compile_helpers = lambda: None
     training.set_jit_fusion_options = lambda *a, **k: None
+    getitem = GPTDataset.__getitem__
+
+    def checked_getitem(self, idx):
+        sample = getitem(self, idx)
+        cached = getattr(self, "cached_loss_mask", None)
+        assert cached is None or bool(cached.all()), "GPTDataset cached a loss mask with pad zeros: pick another CORPUS_SEED"
+        return sample
+
+    GPTDataset.__getitem__ = checked_getitem
     with cpu_patches():
         yield
 

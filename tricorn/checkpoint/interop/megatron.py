@@ -48,6 +48,7 @@ from tricorn.checkpoint.interop.megatron_mapping import (
     legacy_optimizer_order,
     merge_tp,
     model_config_from_args,
+    run_fields,
     tensor_map,
     to_tricorn,
     training_fields,
@@ -436,10 +437,11 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
         training = TrainingConfig(**training_fields(ck.args, ck.common.get("opt_param_scheduler") or {}))
         cfg = Config(model=m, training=training)
         final = write_checkpoint(out, state, build, meta, dump_yaml(cfg))
-    unsupported = unsupported_args(ck.args)
+    carried, lacking = run_fields(ck.args)
+    unsupported = unsupported_args(ck.args) + lacking
     note = ", ".join(unsupported) if unsupported else "none"
     header = f"# Megatron args tricorn does not reproduce: {note}\n"
-    io.atomic_write_text(out / RUN_CONFIG, header + _run_yaml(cfg))
+    io.atomic_write_text(out / RUN_CONFIG, header + _run_yaml(cfg, carried))
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     what = "model and optimizer state" if with_optim else "model and progress, no optimizer state"
     console(
@@ -452,20 +454,24 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
     return final
 
 
-def _run_yaml(cfg: Config) -> str:
-    """The model and training sections of `cfg`, fields that differ from tricorn's defaults only (a --config file)."""
+def _run_yaml(cfg: Config, carried: dict[str, dict[str, Any]]) -> str:
+    """A --config file: the model and training sections of `cfg` (fields that differ from tricorn's defaults, and the
+    run's length), then what the run trained on (`carried`: Megatron's data and evaluation args, as they were)."""
     import dataclasses
 
     import yaml
 
-    run = {}
+    run: dict[str, dict[str, Any]] = {}
+    always = ("num_layers", "hidden_size", "train_iters", "global_batch_size")
     for section, default in (("model", ModelConfig()), ("training", TrainingConfig())):
         ours = getattr(cfg, section)
         run[section] = {
             f.name: getattr(ours, f.name)
             for f in dataclasses.fields(ours)
-            if getattr(ours, f.name) != getattr(default, f.name) or f.name in ("num_layers", "hidden_size")
+            if getattr(ours, f.name) != getattr(default, f.name) or f.name in always
         }
+    for section, fields in carried.items():
+        run.setdefault(section, {}).update(fields)
     return yaml.safe_dump(run, sort_keys=False)
 
 

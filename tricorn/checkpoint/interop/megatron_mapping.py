@@ -130,6 +130,37 @@ def unsupported_args(args: dict) -> list[str]:
     return out
 
 
+# What the run trains on (Megatron's data and evaluation args), carried into megatron.yaml: in the section of tricorn's
+# field of the same name, or listed as not reproduced where tricorn has none (a value that changes the data).
+RUN_ARGS = (
+    "mock_data", "data_path", "train_data_path", "valid_data_path", "test_data_path", "split", "tokenizer_type",
+    "tokenizer_model", "legacy_tokenizer", "vocab_file", "merge_file", "null_tokenizer_eod_id", "null_tokenizer_pad_id",
+    "eod_mask_loss", "reset_position_ids", "reset_attention_mask", "eval_iters", "eval_interval",
+)  # fmt: skip
+
+
+def run_fields(args: dict) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """{section: {field: value}} of the run's data and evaluation args that tricorn has, and the set ones it lacks."""
+    import dataclasses
+
+    from tricorn.config import Config
+
+    cfg = Config()
+    sections = {name: {f.name for f in dataclasses.fields(getattr(cfg, name))} for name in ("data", "model", "training")}
+    carried: dict[str, dict[str, Any]] = {}
+    lacking: list[str] = []
+    for name in RUN_ARGS:
+        value = args.get(name)
+        if value is None or value is False:
+            continue
+        section = next((s for s, names in sections.items() if name in names), None)
+        if section is not None:
+            carried.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
+        else:
+            lacking.append(f"--{name.replace('_', '-')}" + ("" if value is True else f"={value}"))
+    return carried, lacking
+
+
 def training_fields(args: dict, scheduler: dict) -> dict[str, Any]:
     """TrainingConfig fields of the run, from its args and lr scheduler state (samples -> iterations)."""
     gbs = int(args.get("global_batch_size") or 1)
