@@ -41,7 +41,7 @@ SEQ = 16
 TOKENS_SEED = 7
 
 COMMON = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", str(SEQ), "--max-position-embeddings", "32",
     "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "10",
     "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
@@ -59,7 +59,7 @@ LLAMA = [
     "--position-embedding-type", "rope", "--rotary-base", "10000", "--untie-embeddings-and-output-weights",
     "--group-query-attention", "--num-query-groups", "2", "--norm-epsilon", "1e-5",
 ]  # fmt: skip
-GPT = ["--normalization", "LayerNorm", "--ffn-hidden-size", "128", "--position-embedding-type", "learned_absolute"]
+GPT = ["--normalization", "LayerNorm", "--ffn-hidden-size", "64", "--position-embedding-type", "learned_absolute"]
 DISTOPT = ["--use-distributed-optimizer"]
 FULLY = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
 
@@ -243,18 +243,24 @@ def logits(model, tokens) -> np.ndarray:
 
 
 def train_one_iteration(args, model, optimizer, scheduler) -> None:
+    """One iteration on fixed_tokens as Megatron's train_step runs it: forward-backward and the DP gradient sync
+    inside the rerun state machine's loop (whose --rerun-mode validate_results checks the gradients there)."""
     import torch
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     ids = torch.from_numpy(fixed_tokens())
     labels = torch.roll(ids, -1, dims=1)
     pos = torch.arange(SEQ).expand_as(ids)
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    loss = model[0](ids, pos, causal_mask(), labels=labels).float().mean()
-    loss.backward()
-    for chunk in model:
-        chunk.finish_grad_sync()
+    rerun = get_rerun_state_machine()
+    while rerun.should_run_forward_backward(None):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = model[0](ids, pos, causal_mask(), labels=labels).float().mean()
+        loss.backward()
+        for chunk in model:
+            chunk.finish_grad_sync()
+    rerun.should_checkpoint_and_exit()
     ok, _, _ = optimizer.step()
     assert ok, "megatron skipped the step"
     scheduler.step(increment=args.global_batch_size)

@@ -98,6 +98,18 @@ CASES: dict[str, tuple[int, list[str], bool]] = {
         GPT + DISTOPT + ["--ckpt-format", "torch", "--overlap-grad-reduce", "--ddp-bucket-size", "3000"],
         False,
     ),
+    # Pipeline stages: with tied embeddings each stage's copy of the word embeddings has a bucket of its own, and
+    # stages after the first have one bucket whatever the bucket size; TP x PP numbers the dp_group_idx objects.
+    "gpt_pp2_distopt_buckets": (
+        2,
+        GPT + DISTOPT + ["--pipeline-model-parallel-size", "2", "--overlap-grad-reduce", "--ddp-bucket-size", "3000"],
+        False,
+    ),
+    "llama_tp2_pp2_distopt": (
+        4,
+        LLAMA + DISTOPT + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+        False,
+    ),
 }
 
 

@@ -136,6 +136,8 @@ RUN_ARGS = (
     "tokenizer_model", "legacy_tokenizer", "vocab_file", "merge_file", "null_tokenizer_eod_id", "null_tokenizer_pad_id",
     "eod_mask_loss", "reset_position_ids", "reset_attention_mask", "eval_iters", "eval_interval",
 )  # fmt: skip
+# Megatron's defaults that mean "not set" (None and False aside).
+RUN_ARG_UNSET = {"null_tokenizer_pad_id": -1}
 
 
 def run_fields(args: dict) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -150,7 +152,7 @@ def run_fields(args: dict) -> tuple[dict[str, dict[str, Any]], list[str]]:
     lacking: list[str] = []
     for name in RUN_ARGS:
         value = args.get(name)
-        if value is None or value is False:
+        if value is None or value is False or value == RUN_ARG_UNSET.get(name, None):
             continue
         section = next((s for s, names in sections.items() if name in names), None)
         if section is not None:
