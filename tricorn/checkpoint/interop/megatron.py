@@ -63,6 +63,7 @@ COMMON_KEY = "common_state/shard_0_1"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 DISTOPT_KINDS = ("dp_reshardable", "distrib_optim")
 DISTRIB_OPTIM = "distrib_optim.pt"
+BUCKET_CACHE_BYTES = 256 * 2**20  # dp_reshardable buckets up to this are read whole and kept (memory: at most this)
 RUN_CONFIG = "megatron.yaml"
 
 
@@ -198,6 +199,7 @@ class MegatronCheckpoint:
         where = str(self.path)
         if self.fmt == "torch_dist":
             keys = list(self.md.state_dict_metadata)
+            cache: dict[str, torch.Tensor] = {}
 
             def lengths(t: int, p: int) -> list[int]:
                 obj = self.read_object(f"optimizer.distributed.dp_group_idx_{t + tp * p}.per_bucket_numel_unpadded/shard_0_1")
@@ -207,7 +209,14 @@ class MegatronCheckpoint:
                 key = bucket_key(keys, t + tp * p, bucket, name)
                 if key is None:
                     raise ConvertError(f"{where}: bucket {bucket}'s {name} of model-parallel rank {t + tp * p} is missing")
-                return self._dist_region(key, (start,), (end - start,))
+                size = int(self.md.state_dict_metadata[key].size[0])
+                if size * 4 > BUCKET_CACHE_BYTES:  # a large bucket: this parameter's slice alone
+                    return self._dist_region(key, (start,), (end - start,))
+                if key not in cache:  # small buckets are read whole, once (one DCP read costs more than their bytes)
+                    if sum(v.numel() * 4 for v in cache.values()) + size * 4 > BUCKET_CACHE_BYTES:
+                        cache.clear()
+                    cache[key] = self._dist_region(key, (0,), (size,))
+                return cache[key][start:end]
 
             self._distopt = DistOptState(self.args, m, tensor_map(m), lengths, read, False, where)
         else:
@@ -434,17 +443,14 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
             progress.update(optimizer_step=ck.optimizer_step(), optimizer_iteration=ck.iteration)
         else:
             progress[io.OPTIMIZER_STATE] = False
-        # Megatron's scheduler state travels with its optimizer state: without it the schedule starts again, as
-        # Megatron's --no-load-optim does (training/lr_schedule.py).
-        scheduler = ck.common.get("opt_param_scheduler")
-        with_schedule = with_optim and isinstance(scheduler, dict)
-        progress[io.SCHEDULER_STATE] = schedule_from_megatron(ck.args, scheduler).state_dict() if with_schedule else None
+        schedule, schedule_note = _schedule(ck, load_optim)
+        progress[io.SCHEDULER_STATE] = schedule
         meta = import_meta(ck.iteration, params_dtype, source, **progress)
         training = TrainingConfig(**training_fields(ck.args, ck.common.get("opt_param_scheduler") or {}))
         cfg = Config(model=m, training=training)
         final = write_checkpoint(out, state, build, meta, dump_yaml(cfg))
-    carried, lacking = run_fields(ck.args)
-    unsupported = unsupported_args(ck.args) + lacking
+    carried = run_fields(ck.args)
+    unsupported = unsupported_args(ck.args)
     note = ", ".join(unsupported) if unsupported else "none"
     header = f"# Megatron args tricorn does not reproduce: {note}\n"
     io.atomic_write_text(out / RUN_CONFIG, header + _run_yaml(cfg, carried))
@@ -456,8 +462,39 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
     )
     if unsupported:
         console(f"Megatron args tricorn does not reproduce (listed in {out / RUN_CONFIG}): {note}")
+    if schedule_note:
+        console(schedule_note)
     console(f"train from it with: --config {out / RUN_CONFIG} --load {out} ({' '.join(model_flags(m))})")
     return final
+
+
+def _schedule(ck: MegatronCheckpoint, load_optim: bool) -> tuple[Optional[dict], str]:
+    """The imported lr scheduler state (training/lr_schedule.py; None: it starts at sample 0) and what to say about it.
+
+    Megatron keeps its scheduler with its optimizer state and loads them together: with --no-load-optim its
+    schedule starts again at sample 0 (warm-up included) while the iteration goes on, and so does the import's.
+    A checkpoint saved with --no-save-optim holds neither: its schedule is rebuilt from its args at its consumed
+    samples, Megatron's count unless a step was skipped (fp16 overflows, spike skips), as the line says."""
+    scheduler = ck.common.get("opt_param_scheduler")
+    if not load_optim:
+        note = (
+            f"--no-load-optim, as Megatron's: no optimizer or lr scheduler state; a run from it starts the lr schedule "
+            f"again at sample 0 (warm-up included) after iteration {ck.iteration}"
+        )
+        return None, note if isinstance(scheduler, dict) and ck.iteration > 0 else ""
+    if isinstance(scheduler, dict):
+        return schedule_from_megatron(ck.args, scheduler).state_dict(), ""
+    rebuilt = schedule_from_megatron(ck.args, None)
+    assumed = (
+        " (assumed: every optimizer step succeeded; Megatron's count leaves out failed ones, such as fp16 overflows)"
+        if rebuilt.num_steps
+        else ""
+    )
+    note = (
+        f"{ck.path} holds no lr scheduler state (saved with --no-save-optim): the lr schedule is rebuilt from its args "
+        f"at {rebuilt.num_steps} samples, its consumed samples{assumed}"
+    )
+    return rebuilt.state_dict(), note
 
 
 def _run_yaml(cfg: Config, carried: dict[str, dict[str, Any]]) -> str:

@@ -103,19 +103,18 @@ def unsupported_args(args: dict) -> list[str]:
     return not_reproduced(args)
 
 
-# What the run trains on (Megatron's data and evaluation args), carried into megatron.yaml: in the section of tricorn's
-# field of the same name, or listed as not reproduced where tricorn has none (a value that changes the data).
+# What the run trains on (Megatron's data and evaluation args), carried into megatron.yaml in the section of
+# tricorn's field of the same name. Those tricorn lacks are listed as not reproduced by unsupported_args when their
+# value changes the math (tricorn/megatron_flags.py: --eod-mask-loss, the reset flags, ...).
 RUN_ARGS = (
     "mock_data", "data_path", "train_data_path", "valid_data_path", "test_data_path", "split", "tokenizer_type",
     "tokenizer_model", "legacy_tokenizer", "vocab_file", "merge_file", "null_tokenizer_eod_id", "null_tokenizer_pad_id",
     "eod_mask_loss", "reset_position_ids", "reset_attention_mask", "eval_iters", "eval_interval",
 )  # fmt: skip
-# Megatron's defaults that mean "not set" (None and False aside).
-RUN_ARG_UNSET = {"null_tokenizer_pad_id": -1}
 
 
-def run_fields(args: dict) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """{section: {field: value}} of the run's data and evaluation args that tricorn has, and the set ones it lacks."""
+def run_fields(args: dict) -> dict[str, dict[str, Any]]:
+    """{section: {field: value}} of the run's data and evaluation args that tricorn has fields for (set ones only)."""
     import dataclasses
 
     from tricorn.config import Config
@@ -123,17 +122,12 @@ def run_fields(args: dict) -> tuple[dict[str, dict[str, Any]], list[str]]:
     cfg = Config()
     sections = {name: {f.name for f in dataclasses.fields(getattr(cfg, name))} for name in ("data", "model", "training")}
     carried: dict[str, dict[str, Any]] = {}
-    lacking: list[str] = []
     for name in RUN_ARGS:
         value = args.get(name)
-        if value is None or value is False or value == RUN_ARG_UNSET.get(name, None):
-            continue
         section = next((s for s, names in sections.items() if name in names), None)
-        if section is not None:
+        if value is not None and value is not False and section is not None:
             carried.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
-        else:
-            lacking.append(f"--{name.replace('_', '-')}" + ("" if value is True else f"={value}"))
-    return carried, lacking
+    return carried
 
 
 def training_fields(args: dict, scheduler: dict) -> dict[str, Any]:
