@@ -254,8 +254,7 @@ def _rank(rank: int, world: int, argv: list[str], workdir: str, port: int, megat
     with pretrain_patches(), recorder(iterations, iteration0):
         sys.argv = ["pretrain_gpt.py", *argv]
         runpy.run_path(str(Path(megatron_lm) / "pretrain_gpt.py"), run_name="__main__")
-    if rank == 0:
-        Path(record).write_text(json.dumps(iterations))
+    Path(f"{record}.{rank}").write_text(json.dumps(iterations))  # the loss is known on the last pipeline stage
 
 
 def run_case(name: str, out: Path, megatron_lm: Path) -> None:
@@ -282,7 +281,8 @@ def run_case(name: str, out: Path, megatron_lm: Path) -> None:
     except Exception:
         print(f"{name} failed; its logs: {work}/rank*.log")
         raise
-    iterations = json.loads(record.read_text())
+    ranks = [json.loads(Path(f"{record}.{r}").read_text()) for r in range(world)]
+    iterations = next(r for r in ranks if all(i["loss"] is not None for i in r))
     assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), iterations
     assert not any(r["skipped"] for r in iterations), "megatron skipped a step"
     clipped = [r["iteration"] for r in iterations if r["grad_norm"] > CLIP_GRAD]
@@ -304,7 +304,11 @@ def run_case(name: str, out: Path, megatron_lm: Path) -> None:
     }
     (work / "run.json").write_text(json.dumps(run, indent=1))
     shutil.rmtree(work / CORPUS, ignore_errors=True)  # Megatron's dataset index cache, CORPUS/cache
-    for junk in [*work.glob("rank*.log"), *(work / s for s in (f"{CORPUS}.bin", f"{CORPUS}.idx", TOKENIZER)), record]:
+    for junk in [
+        *work.glob("rank*.log"),
+        *(work / s for s in (f"{CORPUS}.bin", f"{CORPUS}.idx", TOKENIZER)),
+        *work.glob("iterations.json.*"),
+    ]:
         junk.unlink()
     final = out / name
     shutil.rmtree(final, ignore_errors=True)
