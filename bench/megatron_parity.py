@@ -34,7 +34,7 @@ def main() -> int:
         for case, nproc, flags, source in runs:
             if args.cases and case not in args.cases:
                 continue
-            run = continue_in_tricorn(case, Path(tmp), nproc, flags, source=source, megatron_argv=source == "iteration0")
+            run = continue_in_tricorn(case, Path(tmp), nproc, flags, source=source)
             diffs = differences(run.records, megatron_run(case))
             first = first_above(diffs, BOUND)
             start = "iteration 0" if source == "iteration0" else f"iteration {megatron_run(case)['save_iteration']}"

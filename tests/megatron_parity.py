@@ -38,7 +38,7 @@ RESUMES: list[tuple[str, int, tuple[str, ...]]] = [
     ("gpt_pp2_distopt_buckets", 2, ("--pipeline-model-parallel-size", "2")),
     ("llama_tp2_pp2_distopt", 2, ("--tensor-model-parallel-size", "2")),
 ]
-# (case, tricorn ranks): from Megatron's iteration-0 weights with Megatron's own command line.
+# (case, tricorn ranks): from Megatron's iteration-0 weights.
 FROM_ITERATION0: list[tuple[str, int]] = [("llama_dp1", 1), ("gpt_dp2", 2)]
 
 

@@ -21,7 +21,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from harness import FP32_RTOL
+from harness import FP32_RTOL, run_layout
 from megatron_parity import (
     FIXTURES,
     FROM_ITERATION0,
@@ -31,6 +31,7 @@ from megatron_parity import (
     differences,
     import_case,
     megatron_run,
+    workdir,
 )
 
 from tricorn.checkpoint.interop.hf_mapping import ConvertError
@@ -110,11 +111,22 @@ def test_resumed_from_iteration_k_tricorn_follows_megatrons_curve(tmp_path, case
 
 
 @pytest.mark.parametrize("case, nproc", FROM_ITERATION0)
-def test_from_megatrons_initial_weights_with_megatrons_command_line(tmp_path, case, nproc):
-    """Megatron's own command line, unchanged, trains in tricorn from Megatron's iteration-0 weights (saved
-    without optimizer or scheduler state): iterations 1..N equal Megatron's, warm-up included."""
-    run = continue_in_tricorn(case, tmp_path, nproc, source="iteration0", megatron_argv=True)
+def test_from_megatrons_initial_weights_tricorn_follows_megatrons_curve(tmp_path, case, nproc):
+    """Imported from Megatron's iteration-0 weights (saved without optimizer or scheduler state: the schedule is
+    rebuilt from the args at sample 0), tricorn's iterations 1..N equal Megatron's, warm-up included."""
+    run = continue_in_tricorn(case, tmp_path, nproc, source="iteration0")
     assert_follows_megatron(run, case, 1)
+
+
+def test_megatrons_command_line_trains_unchanged(tmp_path):
+    """The Megatron command line of a fixture run (fusion switches, --use-cpu-initialization, --distributed-backend
+    gloo, its data and tokenizer flags, ...) trains in tricorn as it is, after one line naming the no-ops."""
+    argv = megatron_run("llama_dp1")["argv"]
+    run = run_layout(argv, 1, workdir(tmp_path / "run"))
+    notice = next(line for line in run.stdout.splitlines() if line.startswith("tricorn: "))
+    assert "--use-cpu-initialization" in notice and "--no-rope-fusion" in notice, notice
+    assert [r["iteration"] for r in run.records if "loss" in r] == list(range(1, N + 1)), run.stdout[-2000:]
+    assert (tmp_path / "run" / "megatron" / "latest_checkpointed_iteration.txt").read_text().strip() == str(N)
 
 
 def test_a_default_megatron_save_reads_safely():
