@@ -141,7 +141,7 @@ def test_megatron_yaml_lists_the_math_a_checkpoints_args_ask_for():
     assert not_reproduced(args) == []  # the format and the rerun machine say how Megatron ran, not what it trained
     args.update(eod_mask_loss=True, calculate_per_token_loss=False, optimizer="sgd", tokenizer_type="GPT2BPETokenizer")
     listed = not_reproduced(args)  # --calculate-per-token-loss is tricorn's flag too, either way
-    assert [item.split(" ")[0] for item in listed] == [
+    assert listed == [
         "--optimizer=sgd",
         "--eod-mask-loss=True",
         "--tokenizer-type=GPT2BPETokenizer",

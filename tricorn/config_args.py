@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import os
 from typing import Optional
 
@@ -74,6 +75,12 @@ def build_parser(prog: str = "pretrain_gpt.py", megatron: bool = True) -> argpar
 
         add_megatron_options(parser)
     return parser
+
+
+@functools.lru_cache(maxsize=1)
+def _parser() -> argparse.ArgumentParser:
+    """pretrain_gpt.py's parser, built once (its ~700 hidden Megatron options take a while; parsing mutates nothing)."""
+    return build_parser()
 
 
 def _suggest(key: str, options: list[str]) -> str:
@@ -146,7 +153,7 @@ def field_errors(cfg: Config) -> list[str]:
 
 def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> Config:
     """Defaults <- preset <- YAML <- flags. Raises ConfigError; does not validate."""
-    args = vars(build_parser().parse_args(argv))  # ConfigError on a malformed flag
+    args = vars(_parser().parse_args(argv))  # ConfigError on a malformed flag
     megatron_only = {k.removeprefix(MEGATRON): args.pop(k) for k in list(args) if k.startswith(MEGATRON)}
     cfg = Config()
     given = set(args)  # the fields set by a flag, the YAML or the preset (not defaults)

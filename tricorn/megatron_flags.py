@@ -226,7 +226,7 @@ def megatron_defaults(cfg, given: set[str]) -> dict[str, Any]:
 
 def not_reproduced(args: dict) -> list[str]:
     """The Megatron args (a checkpoint's saved namespace) whose values tricorn would not reproduce, as
-    `--flag=value (why)`: refused options that change the math (megatron_flag_table.MATH) away from their fine
+    `--flag=value` (docs/megatron-flags.md says why): refused options that change the math (megatron_flag_table.MATH) away from their fine
     value, and implemented ones whose value tricorn's parser would not take. `megatron.yaml`'s first line lists
     them (import-megatron)."""
     from tricorn.config import build_parser
@@ -241,11 +241,11 @@ def not_reproduced(args: dict) -> list[str]:
         value = args[o.dest]
         kind = status(o)
         if kind == REFUSED and group_reason(o) in table.MATH and not is_fine(o, value, args):
-            out.append(f"{o.flag}{_shown(value) or '=' + str(value)} ({reason(o)})")
+            out.append(f"{o.flag}{_shown(value) or '=' + str(value)}")
         elif kind == IMPLEMENTED and isinstance(value, str) and o.dest in choices:
             name = value.rsplit(".", 1)[-1]  # a saved enum reads "Signals.SIGTERM"
             if name not in choices[o.dest]:
-                out.append(f"{o.flag}={value} (tricorn takes {', '.join(map(str, choices[o.dest]))})")
+                out.append(f"{o.flag}={value}")
     return out
 
 

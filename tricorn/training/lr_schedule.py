@@ -34,10 +34,8 @@ from typing import Any, Optional
 
 from tricorn.config import TrainingConfig
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
-WD_INCR_STYLES = ("constant", "linear", "cosine")
-# Megatron's state keys and, for the keys that moved, the names older Megatron versions saved them under.
+# Megatron's state keys and, for the keys that moved, the names older Megatron versions saved them under (in the
+# order its load_state_dict looks for them, before today's).
 _LEGACY_KEYS = {
     "max_lr": ("start_lr",),
     "lr_warmup_steps": ("warmup_iter", "warmup_steps"),
@@ -200,8 +198,8 @@ def _saved_values(state: dict[str, Any]) -> dict[str, Any]:
     """Every setting a saved scheduler state holds, under today's names (None: not saved)."""
     out: dict[str, Any] = {}
     for f in fields(LRSchedule):
-        names = (f.name, *_LEGACY_KEYS.get(f.name, ()))
-        out[f.name] = next((state[n] for n in reversed(names) if n in state), None)
+        names = (*_LEGACY_KEYS.get(f.name, ()), f.name)
+        out[f.name] = next((state[n] for n in names if n in state), None)
     if out["num_steps"] is None:
         raise ValueError("the scheduler state has no num_steps (or num_iters)")
     return out

@@ -67,7 +67,10 @@ class ScheduleDriver:
         if not self.skippable:  # no loss scaler and no spike guard: every step is taken
             self.schedule.step(global_batch_size)
             return
-        self._skipped += skipped.to(torch.float64) * global_batch_size
+        if isinstance(skipped, torch.Tensor):
+            self._skipped += skipped.to(torch.float64) * global_batch_size
+        elif skipped:  # a host decision (none of tricorn's today): the same count
+            self._skipped += float(global_batch_size)
         self._ran += global_batch_size
         self._sums = sorted(set(self._sums) | {s + global_batch_size for s in self._sums})
 
