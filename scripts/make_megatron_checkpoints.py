@@ -378,8 +378,16 @@ def _check_import(argv: list[str], workdir: Path, source: Path, imported: Path) 
     from tricorn.checkpoint.io import find_checkpoint, read_meta, read_tensors
 
     os.chdir(workdir)  # the recorded argv's relative paths
-    args, model, optimizer, scheduler = build(argv + ["--load", str(source), "--no-load-rng"])
-    load_checkpoint(model, optimizer, scheduler, strict=True)
+    args, model, optimizer, scheduler = build(argv + ["--no-load-rng"])
+    # Megatron's load_checkpoint, as a resume runs it. Without Apex or Transformer Engine (a CPU box) the distributed
+    # optimizer's state_dict asserts a step that a fresh optimizer has not taken yet: Megatron's own dummy state
+    # first (every value is then overwritten by the load).
+    inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+    if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
+        inner._init_optimizer_states_with_dummy_values()
+    args.load = str(source)
+    with torch.no_grad():  # the load copies into the fp32 parameters' views
+        load_checkpoint(model, optimizer, scheduler, strict=True)
     saved = read_megatron(source).args
     m = model_config_from_args(saved, str(source))
     tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
@@ -403,7 +411,6 @@ def _check_import(argv: list[str], workdir: Path, source: Path, imported: Path) 
             piece = split_tp(e, to_megatron(e.kind, t.float()), args.tensor_model_parallel_size)[tp]
             assert torch.equal(piece, theirs[field]), (name, field, float((piece - theirs[field]).abs().max()))
             compared += 1
-    inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
     step = inner.optimizer.param_groups[0].get("step") or next(iter(inner.optimizer.state.values()))["step"]
     assert float(step) == float(meta["optimizer_step"]), (float(step), meta["optimizer_step"])
     total = torch.tensor(compared)
@@ -423,7 +430,8 @@ def _recorded_argv(source: Path) -> tuple[list[str], Path, int]:
             if (where / name).is_file():
                 rec = json.loads((where / name).read_text())
                 world = rec.get("world_size") or (CASES[where.name][0] if where.name in CASES else RESAVED[where.name][1])
-                return [a for a in rec["argv"] if a], where, int(world)
+                # a parity run's relative paths (corpus, tokenizer) name files of the directory above its case
+                return [a for a in rec["argv"] if a], where.parent if name == "run.json" else where, int(world)
     raise SystemExit(f"{source}: no megatron_flags.json or run.json beside it: which Megatron flags made it?")
 
 
