@@ -35,7 +35,7 @@ from megatron_parity import (
 )
 
 from tricorn.checkpoint.interop.hf_mapping import ConvertError
-from tricorn.checkpoint.interop.megatron import read_megatron
+from tricorn.checkpoint.interop.megatron import import_megatron, read_megatron
 from tricorn.checkpoint.io import read_meta, read_tensors
 
 CASES = cases()
@@ -194,3 +194,42 @@ def test_bucket_layout_at_every_saved_layout():
         state = ck.distopt()  # raises on any disagreement
         tp, pp = ck.args["tensor_model_parallel_size"], ck.args["pipeline_model_parallel_size"]
         assert {(s.tp, s.pp) for slots in state.slots.values() for s in slots} == {(t, p) for t in range(tp) for p in range(pp)}
+
+
+def test_without_megatrons_scheduler_state(tmp_path):
+    """No scheduler state: a checkpoint saved with --no-save-optim has its schedule rebuilt from its args at its
+    consumed samples, and one line says so and what it assumed; import --no-load-optim is Megatron's
+    --no-load-optim, whose schedule starts again at sample 0 while the iteration goes on."""
+    from tricorn.checkpoint.io import SCHEDULER_STATE
+
+    lines: list[str] = []
+    ckpt = sorted(import_case("llama_dp1", tmp_path, "iteration0", console=lines.append).glob("iter_*"))[0]
+    assert read_meta(ckpt)[SCHEDULER_STATE]["num_steps"] == 0
+    assert any(
+        "holds no lr scheduler state (saved with --no-save-optim): the lr schedule is rebuilt from its args at 0 samples" in line
+        for line in lines
+    ), lines
+    lines.clear()  # a later iteration: Megatron's llama_pp2_torch, re-saved model only after 1 iteration of 2 samples
+    out = tmp_path / "resaved"
+    import_megatron(FIXTURES.parent / "megatron_ckpt" / "llama_pp2_torch", out, console=lines.append)
+    assert read_meta(sorted(out.glob("iter_*"))[0])[SCHEDULER_STATE]["num_steps"] == 2
+    said = next(line for line in lines if "holds no lr scheduler state" in line)
+    assert "at 2 samples, its consumed samples (assumed: every optimizer step succeeded" in said and "\n" not in said, said
+    lines.clear()
+    imported = import_case("llama_dp1", tmp_path, load_optim=False, console=lines.append)
+    assert read_meta(sorted(imported.glob("iter_*"))[0])[SCHEDULER_STATE] is None
+    assert any(line.startswith("--no-load-optim, as Megatron's: no optimizer or lr scheduler state") for line in lines), lines
+    # trained on one iteration: K+1 runs at sample 0's lr and logs the lr after one step, Megatron's iteration 1's
+    flags = [
+        "--config",
+        str(imported / "megatron.yaml"),
+        "--load",
+        str(imported),
+        "--log-interval",
+        "1",
+        "--train-iters",
+        str(K + 1),
+    ]
+    run = run_layout(flags, 1, workdir(tmp_path / "run"))
+    (record,) = [r for r in run.records if "loss" in r]
+    assert record["iteration"] == K + 1 and record["lr"] == megatron_run("llama_dp1")["iterations"][0]["lr_logged"], record
