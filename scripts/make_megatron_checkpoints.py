@@ -413,7 +413,7 @@ def _check_import(argv: list[str], workdir: Path, source: Path, imported: Path) 
             compared += 1
     step = inner.optimizer.param_groups[0].get("step") or next(iter(inner.optimizer.state.values()))["step"]
     assert float(step) == float(meta["optimizer_step"]), (float(step), meta["optimizer_step"])
-    total = torch.tensor(compared)
+    total = torch.tensor(compared if parallel_state.get_data_parallel_rank() == 0 else 0)  # DP replicas compare the same
     torch.distributed.all_reduce(total)
     if torch.distributed.get_rank() == 0:
         print(
