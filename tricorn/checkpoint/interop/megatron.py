@@ -57,7 +57,7 @@ from tricorn.checkpoint.interop.megatron_mapping import (
 )
 from tricorn.checkpoint.interop.megatron_pickle import namespace_dict, safe_load
 from tricorn.config import Config, ModelConfig, TrainingConfig, dump_yaml
-from tricorn.training.lr_schedule import schedule_from_megatron
+from tricorn.lr_schedule import schedule_from_megatron
 
 COMMON_KEY = "common_state/shard_0_1"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -469,7 +469,7 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
 
 
 def _schedule(ck: MegatronCheckpoint, load_optim: bool) -> tuple[Optional[dict], str]:
-    """The imported lr scheduler state (training/lr_schedule.py; None: it starts at sample 0) and what to say about it.
+    """The imported lr scheduler state (tricorn/lr_schedule.py; None: it starts at sample 0) and what to say about it.
 
     Megatron keeps its scheduler with its optimizer state and loads them together: with --no-load-optim its
     schedule starts again at sample 0 (warm-up included) while the iteration goes on, and so does the import's.
