@@ -3,19 +3,20 @@
 import-megatron reads a Megatron-LM GPTModel checkpoint, torch_dist (`iter_N/.metadata`, `__*_*.distcp`,
 `metadata.json`) or legacy torch (`iter_N/mp_rank_XX[_YYY]/model_optim_rng.pt`), the format detected from
 the files, at any saved TP/PP/DP, and writes a tricorn checkpoint `OUT/iter_N` that `--load` resumes on
-any tricorn layout: the model, the iteration, the consumed samples, the lr schedule and, where Megatron
-stored it per parameter (the FP32 optimizer's or the distributed optimizer's `fully_reshardable` torch_dist
-state; the legacy format's FP32 optimizer, whose state is indexed by Megatron's parameter order, derived
-and checked in megatron_mapping.legacy_optimizer_order), the Adam moments. Optimizer state tricorn cannot
-map to parameters exactly (`dp_reshardable` buckets, the legacy distributed optimizer's `distrib_optim.pt`)
-is refused in one line unless --no-load-optim, which leaves the optimizer state out (training then goes on
-from Megatron's iteration and data position with fresh Adam moments, as Megatron's own --no-load-optim does).
-`OUT/megatron.yaml` holds the run's model and training flags, and on its first line the Megatron args
-tricorn does not reproduce.
+any tricorn layout: the model, the iteration, the consumed samples, Megatron's lr scheduler state and the Adam
+moments and fp32 masters in every format Megatron writes: stored per parameter (the FP32 optimizer's or the
+distributed optimizer's `fully_reshardable` torch_dist state; the legacy FP32 optimizer's, indexed by
+Megatron's parameter order, derived and checked in megatron_mapping.legacy_optimizer_order) or in the
+distributed optimizer's flat buffers (`dp_reshardable`, Megatron's default, and the legacy `distrib_optim.pt`;
+their layout derived and checked in megatron_distopt.py). --no-load-optim is Megatron's: the optimizer and
+scheduler state are left out (training goes on from Megatron's iteration and data position with fresh Adam
+moments and the schedule from sample 0). `OUT/megatron.yaml` holds the run's model, training, data and
+evaluation flags, and on its first line the Megatron args tricorn does not reproduce (megatron_flags.py).
 
 Reading is safe (megatron_pickle.py); mapping is exact (megatron_mapping.py). Memory: one tensor at a time
-for torch_dist (one layer of a stacked tensor is read, through a one-process gloo group's ShardedTensor);
-the legacy format reads its per-rank files whole. No collectives beyond that local group.
+for torch_dist (one layer of a stacked tensor, or one parameter's slice of a large optimizer bucket, is read
+through a one-process gloo group's ShardedTensor; small buckets whole, up to BUCKET_CACHE_BYTES); the legacy
+format reads its per-rank files whole. No collectives beyond that local group.
 """
 
 from __future__ import annotations
