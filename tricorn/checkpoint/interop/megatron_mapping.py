@@ -114,7 +114,8 @@ RUN_ARGS = (
 
 
 def run_fields(args: dict) -> dict[str, dict[str, Any]]:
-    """{section: {field: value}} of the run's data and evaluation args that tricorn has fields for (set ones only)."""
+    """{section: {field: value}} of the run's data and evaluation args that tricorn has fields for (those set, and
+    not to tricorn's default)."""
     import dataclasses
 
     from tricorn.config import Config
@@ -125,8 +126,9 @@ def run_fields(args: dict) -> dict[str, dict[str, Any]]:
     for name in RUN_ARGS:
         value = args.get(name)
         section = next((s for s, names in sections.items() if name in names), None)
-        if value is not None and value is not False and section is not None:
-            carried.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
+        if value is None or value is False or section is None or value == getattr(getattr(cfg, section), name):
+            continue
+        carried.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
     return carried
 
 
