@@ -2,7 +2,8 @@
 
 Exit codes: 2 for a config found bad before launch (a flag, the YAML, the layout, an output path, data
 that does not fit the vocabulary), 1 for a damaged checkpoint, a NaN loss, or a bug (which prints its
-traceback), 75 for a rank that stopped, died or got stuck (the hang watchdog, training/watchdog.py). docs/launch-errors.md shows what a user sees under one process, torchrun and srun.
+traceback), 3 for a rank that ran out of memory (training/oom.py), 75 for a rank that stopped, died or got stuck
+(the hang watchdog, training/watchdog.py). docs/launch-errors.md shows what a user sees under one process, torchrun and srun.
 
 One rank prints the line (rank 0, or the survivor that names a dead rank 0), so a 512-rank launch shows
 it once. Every failing rank also writes it to torchelastic's error file ($TORCHELASTIC_ERROR_FILE, which
@@ -31,6 +32,9 @@ RUN_ERROR = 1  # a damaged checkpoint or data file, a NaN loss, a dead peer, a b
 # A rank stopped, died or got stuck (training/watchdog.py): sysexits' EX_TEMPFAIL, "try again" - the sbatch
 # scripts requeue on it, from the last checkpoint.
 HANG_ERROR = 75
+# A rank ran out of device (or host) memory: each rank that did prints its own line (training/oom.py) and nothing is
+# saved after it. Not requeued: the same layout runs out again.
+OOM_ERROR = 3
 HEAD_START_S = 10.0
 
 

@@ -206,6 +206,9 @@ def _run(argv: Optional[list[str]]) -> int:
         return fail(damaged[0], RUN_ERROR, prints=launch_rank() == 0)
 
     exits = ExitConditions(cfg)  # from here on --exit-signal means "save and exit 0", not "die"
+    from tricorn.training.flight_recorder import configure as configure_flight_recorder
+
+    configure_flight_recorder(cfg, rank=launch_rank())  # torch reads its variables when the process group is made
     code = 1
     try:
         code = _train(cfg, init_parallel(cfg), exits)
@@ -223,6 +226,8 @@ def _train(cfg: Config, state, exits) -> int:
     """Build, load, train, save; 0 on success, 1 on a user-facing error (one line on stderr)."""
     from tricorn.checkpoint.checkpointer import Checkpointer, CheckpointError
     from tricorn.data.errors import DataError
+    from tricorn.profiling import Profiler
+    from tricorn.training import oom
     from tricorn.training.logging import MetricsLogger
     from tricorn.training.loop import NaNError
     from tricorn.training.spikes import SpikeLimit
@@ -230,16 +235,21 @@ def _train(cfg: Config, state, exits) -> int:
 
     logger = MetricsLogger(cfg, state.rank, state.device)
     ckpt = trainer = None
+    profiler = Profiler.from_config(cfg, state)
+    profiler.start_memory_history()  # --record-memory-history: before the model, so every allocation is in it
     watchdog = Watchdog(cfg, state).start()  # a stopped, dead or stuck rank is named; every rank exits 75
     try:
         trainer = build_trainer(cfg, state, logger)
+        trainer.profiler = profiler
         watchdog.iteration = lambda: trainer.iteration
         logger.startup(state, trainer.chunks, trainer.batch_sizes())  # layout, parameters, FLOPs, memory estimate
         _warn_math_attention(cfg, state)
         ckpt = Checkpointer(cfg, state, logger.console)
         ckpt.load(trainer)  # --load: model, optimizer, data position, RNG (any saved layout)
+        logger.start_wandb(ckpt.loaded_meta.get("wandb_run_id"))  # --wandb-project: a resume continues the same run
         trainer.on_iteration_end = ckpt.iteration_hook(exits)
         trainer.train()
+        profiler.finish(trainer.iteration)  # a window an exit signal cut short; the whole run's memory history
         ckpt.finish(trainer)  # the final save, and the wait for a background one
         trainer.optimizer.wait_all()  # nothing in flight when the groups go
         return 0
@@ -256,6 +266,9 @@ def _train(cfg: Config, state, exits) -> int:
     except RuntimeError as e:  # a dead or stopped peer: one line naming the collective, not gloo's traceback
         from tricorn.parallel.failures import collective_failure, peer_named
 
+        if oom.is_out_of_memory(e):  # one line from each rank that ran out, exit 3, nothing saved after it
+            return oom.report(e, cfg, state, trainer.iteration if trainer is not None else 0, profiler)
+
         line = collective_failure(e, state.rank, state.world_size, cfg.parallel.distributed_timeout_minutes)
         if line is None:
             raise
@@ -265,6 +278,7 @@ def _train(cfg: Config, state, exits) -> int:
         return fail(line, RUN_ERROR, prints=state.rank == 0 or peer_named(line) == 0)
     finally:
         watchdog.stop()  # first: the peers must not take this rank's leaving for a hang
+        profiler.close(trainer.iteration if trainer is not None else 0)  # a window an error cut short: its trace
         if ckpt is not None:
             ckpt.close()  # joins the background save thread
         logger.close()  # joins TensorBoard's writer thread

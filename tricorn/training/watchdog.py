@@ -20,7 +20,8 @@ release the GIL while they wait, so its threads go on. When everyone waits, the 
 
 The verdict is one line (rank 0 prints it; another rank prints only when rank 0 itself is the one stopped) naming
 the stopped ranks with their iteration, phase and collective, the groups that wait on them (tp/pp/dp/cp/ep and
-their ranks) and where their logs are; then every rank leaves with HANG_ERROR through ``os._exit`` (the main
+their ranks) and where their logs are; with the flight recorder on (--flight-recorder-dump-path) every live rank
+dumps it first (flight_recorder.py) and the line names the directory; then every rank leaves with HANG_ERROR through ``os._exit`` (the main
 thread is blocked and cannot unwind). $TRICORN_EXIT_REPORT, when set (the sbatch scripts set it), receives
 ``HANG_ERROR line`` from the printing rank, so the batch script can requeue with the cause. After a collective
 of this rank failed (`explain_failure`: gloo reports a dead peer at once), a rank silent for three beats is named
@@ -45,6 +46,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from tricorn import launch_errors
+from tricorn.training import flight_recorder
 from tricorn.launch_errors import HANG_ERROR, fail
 
 PREFIX = "tricorn/hb/"
@@ -286,6 +288,7 @@ class Watchdog:
         self._threads: list[threading.Thread] = []
         self._warned = False
         self._rank0_done = False  # rank 0 stopped its watchdog (finished): its silence is not a hang
+        self.fr_prefix = flight_recorder.dump_prefix()  # where every rank dumps its flight recorder on a verdict
 
     # ------------------------------------------------------------ lifecycle
 
@@ -406,6 +409,7 @@ class Watchdog:
             if self.line is not None:
                 return
             self.line = line
+        line = self._dump_flight_recorder(line)
         if prints:
             write_exit_report(HANG_ERROR, line)
         fail(line, HANG_ERROR, prints=prints)  # a rank that does not print waits for the one that does
@@ -414,6 +418,18 @@ class Watchdog:
         sys.stdout.flush()
         sys.stderr.flush()
         self.exit_fn(HANG_ERROR)
+
+
+    def _dump_flight_recorder(self, line: str) -> str:
+        """Every live rank writes its flight recorder before it leaves (flight_recorder.py); the line says where."""
+        if self.fr_prefix is None:
+            return line
+        try:
+            flight_recorder.dump(self.fr_prefix, self.rank, self.groups, dist.get_backend())
+        except Exception as e:  # noqa: BLE001 - the verdict must still go out
+            print(f"tricorn: warning: rank {self.rank}: flight recorder dump failed: {type(e).__name__}: {e}", file=sys.stderr)
+        where = os.path.dirname(self.fr_prefix) or "."
+        return f"{line}; flight recorder dumps in {where} (tricorn fr-trace {where})"
 
 
 def write_exit_report(code: int, line: str) -> None:
