@@ -340,9 +340,13 @@ class ProfilingConfig:
     use_pytorch_profiler: bool = _f(
         False, "With --profile: a torch.profiler trace per profiled rank in <--tensorboard-dir>/torch_profile."
     )
-    profile_step_start: int = _f(10, "Iterations completed before the profile window opens (Megatron's count).", bound=NON_NEGATIVE)
+    profile_step_start: int = _f(
+        10, "Iterations completed before the profile window opens (Megatron's count).", bound=NON_NEGATIVE
+    )
     profile_step_end: int = _f(12, "The last iteration profiled.", bound=AT_LEAST_1)
-    profile_ranks: Optional[list] = _f(None, "Global ranks to profile (default: every rank).", nargs="+", type=int, bound=NON_NEGATIVE)
+    profile_ranks: Optional[list] = _f(
+        None, "Global ranks to profile (default: every rank).", nargs="+", type=int, bound=NON_NEGATIVE
+    )
     record_shapes: bool = _f(False, "Record operator input shapes (torch profiler; emit_nvtx's shapes under nsys).")
     pytorch_profiler_collect_shapes: bool = _f(False, "Megatron's name for --record-shapes in the torch profiler.")
     pytorch_profiler_collect_callstack: bool = _f(False, "Record Python call stacks in the torch-profiler trace.")
@@ -353,7 +357,8 @@ class ProfilingConfig:
         "end of the profile window (else of training) and on out-of-memory.",
     )
     memory_snapshot_path: str = _f(
-        "snapshot.pickle", "File of the allocator history (with several ranks: NAME.rankN.pickle per rank); open it at pytorch.org/memory_viz."
+        "snapshot.pickle",
+        "File of the allocator history (with several ranks: NAME.rankN.pickle per rank); open it at pytorch.org/memory_viz.",
     )
 
 

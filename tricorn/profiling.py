@@ -48,8 +48,9 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -241,7 +242,9 @@ class Profiler:
         self.device = device
         self.api = api
         self.trace_dir = trace_dir(cfg)
-        self.history_path = snapshot_path(p.memory_snapshot_path, rank, world_size) if p.record_memory_history and chosen else None
+        self.history_path = (
+            snapshot_path(p.memory_snapshot_path, rank, world_size) if p.record_memory_history and chosen else None
+        )
         self.announce = rank == min(p.profile_ranks or [0])  # the rank that prints the window's one line
         self.recording = False  # the allocator's history is being recorded
         self.state = "before" if self.windowed else "done"
@@ -297,8 +300,11 @@ class Profiler:
             if iteration > self.last:  # resumed past the window
                 self.state = "done"
                 if self.announce:
-                    print(f"tricorn: profile: the window (iterations {self.first}-{self.last}) is before this run's "
-                          f"first iteration {iteration}; nothing profiled", flush=True)
+                    print(
+                        f"tricorn: profile: the window (iterations {self.first}-{self.last}) is before this run's "
+                        f"first iteration {iteration}; nothing profiled",
+                        flush=True,
+                    )
                 return
             self._open(iteration)
         self._iteration = _open(f"iteration {iteration}")
@@ -336,7 +342,9 @@ class Profiler:
         if self.torch_mode:
             from torch.profiler import ProfilerActivity, profile, record_function, tensorboard_trace_handler
 
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(self.device or "cpu").type == "cuda" else [])
+            activities = [ProfilerActivity.CPU] + (
+                [ProfilerActivity.CUDA] if torch.device(self.device or "cpu").type == "cuda" else []
+            )
             self._prof = profile(
                 activities=activities,
                 record_shapes=self.shapes,

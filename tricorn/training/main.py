@@ -12,7 +12,15 @@ import traceback
 from typing import Optional
 
 from tricorn.config import Config
-from tricorn.launch_errors import CONFIG_ERROR, HANG_ERROR, RUN_ERROR, fail, launch_rank, write_error_file
+from tricorn.launch_errors import (
+    CONFIG_ERROR,
+    HANG_ERROR,
+    RUN_ERROR,
+    fail,
+    inherited_identity,
+    launch_rank,
+    write_error_file,
+)
 
 
 def resolve_config(argv: Optional[list[str]]) -> Config:
@@ -190,6 +198,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _run(argv: Optional[list[str]]) -> int:
+    inherited = inherited_identity()  # an srun task with a submitting shell's RANK/WORLD_SIZE: SLURM's win, one line
+    if inherited and launch_rank() == 0:
+        print(f"tricorn: warning: {inherited}", file=sys.stderr, flush=True)
     cfg = resolve_config(argv)
     if cfg.dry_run:  # the memory estimate of this exact config, no process group, no model
         from tricorn.planning.estimate import format_report

@@ -106,8 +106,10 @@ def estimate_figures(cfg, pp_rank: int) -> str:
         ("logits", e.embedding_logits_bytes),
         ("buffers", e.buffer_bytes + e.overhead_bytes + e.fp8_bytes),
     ]
-    return f"estimate for stage {pp_rank} (tricorn estimate): " + ", ".join(f"{k} {_size(v)}" for k, v in parts) + (
-        f" = {_size(e.total_bytes)}"
+    return (
+        f"estimate for stage {pp_rank} (tricorn estimate): "
+        + ", ".join(f"{k} {_size(v)}" for k, v in parts)
+        + (f" = {_size(e.total_bytes)}")
     )
 
 
@@ -121,7 +123,8 @@ def oom_line(e: BaseException, cfg, rank: int, pp_rank: int, iteration: int, api
         else "no memory history (--record-memory-history writes one)"
     )
     return (
-        f"rank {rank} ran out of {kind} memory in {phase} of iteration {iteration}" + (f" ({where})" if where else "")
+        f"rank {rank} ran out of {kind} memory in {phase} of iteration {iteration}"
+        + (f" ({where})" if where else "")
         + (f": tried to allocate {tried.group(1)}" if tried else "")
         + f"; {allocator_figures(api, device)}; {estimate_figures(cfg, pp_rank)}; {history}; no checkpoint written; "
         "fit it with a smaller --micro-batch-size, --recompute-granularity, more TP/PP or --use-distributed-optimizer"

@@ -46,8 +46,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from tricorn import launch_errors
-from tricorn.training import flight_recorder
 from tricorn.launch_errors import HANG_ERROR, fail
+from tricorn.training import flight_recorder
 
 PREFIX = "tricorn/hb/"
 VERDICT_KEY = PREFIX + "verdict"
@@ -418,7 +418,6 @@ class Watchdog:
         sys.stdout.flush()
         sys.stderr.flush()
         self.exit_fn(HANG_ERROR)
-
 
     def _dump_flight_recorder(self, line: str) -> str:
         """Every live rank writes its flight recorder before it leaves (flight_recorder.py); the line says where."""

@@ -183,7 +183,9 @@ class PipelineExecutor:
         """A step's name in the profiler's trace: a compute action with its virtual stage, or the batched messages."""
         head = step[0]
         if head.kind.is_compute:
-            return f"{head.kind.value} stage{virtual_stage(self.pp_rank, head.chunk, self.pp, self.placement)} mb{head.microbatch}"
+            return (
+                f"{head.kind.value} stage{virtual_stage(self.pp_rank, head.chunk, self.pp, self.placement)} mb{head.microbatch}"
+            )
         return "p2p " + ",".join(str(a) for a in step)
 
     # ------------------------------------------------------------ compute
