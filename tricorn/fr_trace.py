@@ -3,8 +3,9 @@
 The dumps are torch's (training/flight_recorder.py writes ``rank_<R>`` on a watchdog verdict; NCCL's own dump on
 a timeout has the same layout). Per rank: the collective it is in (issued, not completed: what it waits for),
 and its last completed one, each as group, sequence number and operation. Per process group: the members whose
-last issued sequence number is below the others' are behind - they hold up the group - and are named with the
-last collective they issued. A rank without a dump (dead, stopped, or holding the GIL) is said to be missing.
+last issued sequence number is below the others' hold the group up: one that waits on nobody (in no
+collective) is the cause and is named with the last collective it issued ("behind:"); one waiting in a collective
+is held up itself, and the members of that collective that have not issued it are named ("held up:"). A rank without a dump (dead, stopped, or holding the GIL) is said to be missing.
 
 torch's own analyser reads the same directory: ``python -m torch.distributed.flight_recorder.fr_trace DIR -p
 rank_`` (it matches every collective across ranks; this tool says where each rank stopped). Dumps are read
@@ -68,13 +69,16 @@ def read_dump(path: Path) -> RankDump:
         data = _PlainUnpickler(fh).load()
     match = _RANK_FILE.search(path.name)
     rank = int(data.get("tricorn_rank", match.group(1) if match else -1))
-    status = data.get("pg_status") or {}
-    ops = []
+    status = data.get("pg_status") or {}  # keyed by the entries' pg_id (as text), not by the group's name
+    ops, issued = [], {}
     for e in data.get("entries", []):
         group, seq, p2p = str(e["process_group"][0]), int(e["collective_seq_id"]), bool(e.get("is_p2p"))
-        done_upto = int(status.get(group, {}).get("last_completed_collective", -1))
-        completed = e.get("state") == "completed" or (not p2p and seq <= done_upto) or (p2p and e.get("retired", False))
+        pg = status.get(str(e.get("pg_id")), {})
+        done_upto = int(pg.get("last_completed_collective", -1))
+        completed = e.get("state") == "completed" or bool(e.get("retired")) or (not p2p and seq <= done_upto)
         ops.append(Op(group, seq, str(e.get("profiling_name", "?")).split(":")[-1], completed, p2p))
+        if not p2p:
+            issued[group] = max(issued.get(group, -1), seq, int(pg.get("last_enqueued_collective", -1)))
     members = {}
     for name, cfg in (data.get("pg_config") or {}).items():
         try:
@@ -85,10 +89,6 @@ def read_dump(path: Path) -> RankDump:
     for name, cfg in (data.get("pg_config") or {}).items():
         if str(name) not in labels and members.get(str(name)):
             labels[str(name)] = f"{cfg.get('desc') or 'group ' + str(name)} {','.join(map(str, members[str(name)]))}"
-    issued = {str(g): int(s.get("last_enqueued_collective", -1)) for g, s in status.items()}
-    for o in ops:
-        if not o.p2p:
-            issued[o.group] = max(issued.get(o.group, -1), o.seq)
     return RankDump(rank, ops, issued, labels, members)
 
 
@@ -134,12 +134,22 @@ def summarize(dumps: dict[int, RankDump], world_size: Optional[int] = None) -> l
         for r, s in sorted(issued.items()):
             if s < top:
                 behind.setdefault(r, []).append(f"{label(g)} (at #{s}, ranks {','.join(map(str, ahead))} at #{top})")
+    # A rank behind in a group is the cause when it waits on nobody; one that waits in a collective is held up
+    # itself, by the members of that collective's group that have not issued it yet.
     for r, groups in sorted(behind.items()):
+        waiting = [o for o in dumps[r].in_flight() if not o.p2p]
+        if waiting:
+            o = waiting[0]
+            absent = sorted(m for m in members.get(o.group, ()) if m in dumps and dumps[m].last_issued.get(o.group, -1) < o.seq)
+            absent += sorted(m for m in members.get(o.group, ()) if m not in dumps)
+            lines.append(
+                f"held up: rank {r} waits in {o.describe(label(o.group))} for rank(s) {','.join(map(str, absent)) or '?'}, "
+                f"and so holds up {'; '.join(groups)}"
+            )
+            continue
         ops = [o for o in dumps[r].ops if not o.p2p]
-        last = f"its last collective {ops[-1].describe(label(ops[-1].group))}" if ops else "no collective recorded"
-        lines.append(
-            f"behind: rank {r} ({last}, {'completed' if ops and ops[-1].completed else 'not completed'}) holds up {'; '.join(groups)}"
-        )
+        last = f"its last collective {ops[-1].describe(label(ops[-1].group))}, completed" if ops else "no collective recorded"
+        lines.append(f"behind: rank {r} (in no collective; {last}) holds up {'; '.join(groups)}")
     if not behind:
         lines.append("behind: no rank is behind its groups (every member issued the same collectives)")
     return lines

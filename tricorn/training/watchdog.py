@@ -415,6 +415,8 @@ class Watchdog:
         fail(line, HANG_ERROR, prints=prints)  # a rank that does not print waits for the one that does
         if self.rank == 0 and self.world_size > 1:
             time.sleep(2 * self.interval + 0.5)  # the store lives in this process: let every rank read the verdict
+        elif self.fr_prefix is not None:  # every live rank reads the verdict within a beat: none leaves before all
+            time.sleep(2 * self.interval)  # have dumped (a peer's exit would fail, and so end, a waiting collective)
         sys.stdout.flush()
         sys.stderr.flush()
         self.exit_fn(HANG_ERROR)
