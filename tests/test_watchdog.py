@@ -95,6 +95,18 @@ def test_a_rank_that_left_while_the_others_wait_is_named() -> None:
     assert line.startswith("hang: rank 2 (iteration 4, tricorn/training/main.py:250 _train) left the run"), line
 
 
+def test_a_rank_that_left_on_its_own_error_is_named_once_a_peers_collective_fails() -> None:
+    """Rank 1 ran out of memory and left (one line of its own); rank 0's TP all-reduce then failed: rank 1 is named
+    at once, not rank 0 after the whole timeout (rank 0 waits for the verdict outside any collective)."""
+    records = {0: Record(1, 3, Sample("p", "all_reduce", "tp 0,1")), 1: Record(1, 3, Sample("p", "all_reduce", "tp 0,1"))}
+    judge = _judge(records, timeout=60.0)
+    judge.observe(1, Record(2, 3, Sample("tricorn/training/main.py:280 _train"), done=True), 1.0)
+    assert judge.verdict(1.0) is None  # not before a collective failed: a peer finishing first is no hang
+    judge.observe(0, Record(2, 3, Sample("tricorn/training/main.py:286 _train"), failed=True), 2.0)
+    line = judge.verdict(2.0)
+    assert line.startswith("hang: rank 1 (iteration 3, tricorn/training/main.py:280 _train) left the run"), line
+
+
 def test_record_round_trip() -> None:
     rec = Record(12, 40, Sample("tricorn/x.py:3 f", "all_gather_into_tensor", "tp 0,1"), done=False, failed=True)
     assert Record.decode(rec.encode()) == rec

@@ -172,8 +172,11 @@ class Judge:
         beat_limit = min(self.timeout_s, 3 * beat_interval(self.timeout_s) + 1.0) if failed else self.timeout_s
         silent = {r for r, s in live.items() if now - s.beat_at > beat_limit}
         stalled = {r for r, s in live.items() if now - s.progress_at > self.timeout_s}
-        stuck = silent | {r for r in stalled if not live[r].record.sample.waiting}
+        failing = {r for r, s in live.items() if s.record.failed}  # their collective failed: they wait for this verdict
+        stuck = silent | {r for r in stalled - failing if not live[r].record.sample.waiting}
         left = {r for r, s in self.seen.items() if s.record.done}
+        if not stuck and failing and left:  # a rank that left on an error of its own (out of memory) failed their collective
+            stuck = left
         if not stuck and stalled and stalled == set(live):  # everyone waits: on a rank that left, or on the slowest
             low = min(live[r].record.iteration for r in stalled)
             stuck = left or {r for r in stalled if live[r].record.iteration == low}
@@ -309,7 +312,8 @@ class Watchdog:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=2 * self.interval + 1)
-        self.record.done = True
+        # Where and when it leaves (not the last beat's, which may be an iteration old): named so if the others wait.
+        self.record = Record(self.record.beat + 1, self.iteration(), self._sample(), True, self.failed)
         try:
             self._set_own()
             if self.rank == 0:  # the verdict stops changing now, and the store may go: not a hang of rank 0
