@@ -22,7 +22,6 @@ from tricorn.parallel.pipeline.stages import validate_pipeline
 from tricorn.parallel.recompute import validate_recompute
 from tricorn.parallel.te import validate_te
 from tricorn.profiling import snapshot_path, validate_profiling
-from tricorn.training.wandb_sink import wandb_errors
 
 
 def validate(cfg: Config) -> list[str]:
@@ -120,7 +119,6 @@ def validate(cfg: Config) -> list[str]:
             + validate_fp8(cfg)
             + skip_samples_errors(d.skip_samples, t.train_iters * t.global_batch_size if t.global_batch_size else 0)
             + validate_profiling(cfg)
-            + wandb_errors(cfg)
         )
     return errs
 

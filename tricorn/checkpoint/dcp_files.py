@@ -7,7 +7,7 @@ about a second of each process's start-up that a run without checkpoints never n
 - ``SafeReader``: DCP's metadata read through io's allowlist unpickler.
 - ``SafeLoadPlanner``: refuses pickled objects (only tensors are ever loaded).
 - ``Writer``: one file per rank, fsync'ed, each file hashed as it is written (``HashingFileSystem``), and the
-  kill-during-save test hook (io.KILL_DURING_SAVE).
+  kill-during-save test hook (KILL_DURING_SAVE).
 No collectives of its own (DCP's save and load run them).
 """
 
@@ -17,6 +17,7 @@ import contextlib
 import io as _bytes_io
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,12 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from tricorn.checkpoint import io
 from tricorn.checkpoint.checksums import HashingStream
+from tricorn.checkpoint.errors import CheckpointError
+
+# Test hook: "ITER:RANK" kills that rank with SIGKILL right after it wrote its shard file of
+# iteration ITER's save, before the checkpoint is complete. Tests use it; nothing else may.
+KILL_DURING_SAVE = "TRICORN_TEST_KILL_DURING_SAVE"
 
 
 class HashingFileSystem(FileSystem):
@@ -53,8 +58,14 @@ class HashingFileSystem(FileSystem):
 
 
 class SafeReader(FileSystemReader):
+    """`read_metadata(checkpoint dir)` is io.read_dcp_metadata: DCP's pickle through the allowlist."""
+
+    def __init__(self, path: str, read_metadata: Callable[[Path], Any]):
+        super().__init__(path)
+        self._read = read_metadata
+
     def read_metadata(self, *args: Any, **kwargs: Any):
-        md = io.read_dcp_metadata(Path(self.path))
+        md = self._read(Path(self.path))
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         md.storage_meta = md.storage_meta or StorageMeta()
@@ -64,9 +75,7 @@ class SafeReader(FileSystemReader):
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: _bytes_io.BytesIO) -> None:
-        raise io.CheckpointError(
-            f"checkpoint holds a pickled object under {read_item.dest_index.fqn!r}; tricorn never loads those"
-        )
+        raise CheckpointError(f"checkpoint holds a pickled object under {read_item.dest_index.fqn!r}; tricorn never loads those")
 
 
 class Writer(FileSystemWriter):
@@ -75,12 +84,12 @@ class Writer(FileSystemWriter):
     def __init__(self, path: Path, iteration: int, rank: int):
         super().__init__(str(path), single_file_per_rank=True, sync_files=True, overwrite=True)
         self.iteration, self.rank = iteration, rank
-        self.fs = io.HashingFileSystem()  # looked up on io: bench/checkpoint.py swaps it for a plain one
+        self.fs = HashingFileSystem()
         self.checksums = self.fs.checksums  # the files this rank wrote -> size and XXH3-64 digest
 
     def write_data(self, plan, planner):
         fut = super().write_data(plan, planner)
-        hook = os.environ.get(io.KILL_DURING_SAVE, "")
+        hook = os.environ.get(KILL_DURING_SAVE, "")
         if hook and hook == f"{self.iteration}:{self.rank}":
             fut.wait()
             os.kill(os.getpid(), signal.SIGKILL)

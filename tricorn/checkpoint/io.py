@@ -40,6 +40,7 @@ from typing import Any, Optional
 import torch
 
 from tricorn.checkpoint.checksums import ALGORITHM, file_checksum
+from tricorn.checkpoint.errors import CheckpointError  # noqa: F401 - re-exported: callers import it from here
 from tricorn.config import ModelConfig
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -52,10 +53,6 @@ FORMAT_VERSION = 1
 _ITER_RE = re.compile(r"^iter_([0-9]{7,18})$")
 _DIGITS_RE = re.compile(r"[0-9]{1,18}")  # an iteration number that fits int64
 _TMP_MARK = ".tmp-"
-
-# Test hook: "ITER:RANK" kills that rank with SIGKILL right after it wrote its shard file of
-# iteration ITER's save, before the checkpoint is complete. Tests use it; nothing else may.
-KILL_DURING_SAVE = "TRICORN_TEST_KILL_DURING_SAVE"
 
 
 _DCP_CLASSES = ("SafeReader", "SafeLoadPlanner", "Writer", "HashingFileSystem")
@@ -70,10 +67,6 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value = getattr(dcp_files, name)
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message is one line naming the file."""
 
 
 def iter_name(iteration: int) -> str:
@@ -476,7 +469,11 @@ def dcp_load(targets: dict[str, torch.Tensor], ckpt: Path, group=None, no_dist: 
         with warnings.catch_warnings():  # no_dist: "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(
-                targets, storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner(), process_group=group, no_dist=no_dist
+                targets,
+                storage_reader=SafeReader(str(ckpt), read_dcp_metadata),
+                planner=SafeLoadPlanner(),
+                process_group=group,
+                no_dist=no_dist,
             )
     except CheckpointException as e:  # a BaseException holding (exception, traceback) per failed rank
         rank, (exc, _) = next(iter(e.failures.items()))

@@ -26,6 +26,7 @@ from tricorn.launch_errors import (
 def resolve_config(argv: Optional[list[str]]) -> Config:
     from tricorn.config import ConfigError, config_from_args
     from tricorn.parallel.state import world_size_from_env
+    from tricorn.training.wandb_sink import wandb_errors
     from tricorn.validation import output_path_errors, validate
 
     try:
@@ -37,6 +38,7 @@ def resolve_config(argv: Optional[list[str]]) -> Config:
         errors = output_path_errors(cfg)
         errors = errors or _prepare_vocab(cfg)
         errors += validate(cfg) if not errors else []
+        errors += wandb_errors(cfg) if not errors else []  # --wandb-project: the package and a login on this machine
         if not errors and cfg.device == "cuda":  # memory estimate vs the device (GPU only: CPU RAM is not the limit)
             from tricorn.planning.estimate import memory_errors, visible_device_memory
 
