@@ -180,11 +180,6 @@ def validate_profiling(cfg) -> list[str]:
                 f"the profile window (iterations {p.profile_step_start + 1}-{p.profile_step_end}) ends after the run's "
                 f"{iters} iterations; set --profile-step-start and --profile-step-end within --train-iters {iters}"
             )
-        bad = sorted(r for r in p.profile_ranks or [] if r >= cfg.world_size)
-        if bad:
-            errs.append(
-                f"--profile-ranks {' '.join(map(str, bad))} outside the world of {cfg.world_size} ranks (0-{cfg.world_size - 1})"
-            )
         if p.use_pytorch_profiler and not cfg.logging.tensorboard_dir:
             errs.append("--use-pytorch-profiler writes its traces under --tensorboard-dir; pass --tensorboard-dir DIR")
         if not p.use_pytorch_profiler and not has_cuda_api(cfg.device):
@@ -192,6 +187,11 @@ def validate_profiling(cfg) -> list[str]:
                 "--profile without --use-pytorch-profiler marks the window for nsys (cudaProfilerStart/Stop, NVTX), "
                 "which needs --device cuda; add --use-pytorch-profiler for a torch-profiler trace on the CPU"
             )
+    bad = sorted(r for r in p.profile_ranks or [] if r >= cfg.world_size)
+    if bad:
+        errs.append(
+            f"--profile-ranks {' '.join(map(str, bad))} outside the world of {cfg.world_size} ranks (0-{cfg.world_size - 1})"
+        )
     # A profiler option outside the window it configures would do nothing: said, not ignored.
     torch_only = [("--use-pytorch-profiler", p.use_pytorch_profiler), ("--record-shapes", p.record_shapes)]
     torch_only += [("--pytorch-profiler-collect-shapes", p.pytorch_profiler_collect_shapes)]
@@ -306,7 +306,7 @@ class Profiler:
                         flush=True,
                     )
                 return
-            self._open(iteration)
+            self._open_window(iteration)
         self._iteration = _open(f"iteration {iteration}")
         self._iteration.__enter__()
 
@@ -316,7 +316,7 @@ class Profiler:
             return
         self._leave_iteration()
         if iteration >= self.last:
-            self._close(iteration)
+            self._close_window(iteration)
 
     def finish(self, iteration: int) -> None:
         """Training ended: a window still open closes (an exit signal came inside it); without --profile the
@@ -329,14 +329,14 @@ class Profiler:
         """Any way out (an error too): the open window's trace is written and its calls balanced."""
         if self.state == "open":
             self._leave_iteration()
-            self._close(iteration)
+            self._close_window(iteration)
 
     def _leave_iteration(self) -> None:
         if self._iteration is not None:
             self._iteration.__exit__(None, None, None)
             self._iteration = None
 
-    def _open(self, iteration: int) -> None:
+    def _open_window(self, iteration: int) -> None:
         global _open
         self.state, self.opened_at = "open", iteration
         if self.torch_mode:
@@ -361,7 +361,7 @@ class Profiler:
             self._nvtx.__enter__()
             _open = functools.partial(_NvtxRange, api)
 
-    def _close(self, iteration: int) -> None:
+    def _close_window(self, iteration: int) -> None:
         global _open
         _open = None
         self.state = "done"
