@@ -188,15 +188,15 @@ for VAR in RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK; do
         unset "$VAR"
     fi
 done
-ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-PORT=${{TRICORN_MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
-[[ -n ${{MASTER_ADDR:-}} && $MASTER_ADDR != "$ADDR" ]] && INHERITED+=("MASTER_ADDR=$MASTER_ADDR")
-[[ -n ${{MASTER_PORT:-}} && $MASTER_PORT != "$PORT" ]] && INHERITED+=("MASTER_PORT=$MASTER_PORT")
+OLD_ADDR=${{MASTER_ADDR:-}}
+OLD_PORT=${{MASTER_PORT:-}}
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+MASTER_PORT=${{TRICORN_MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
+[[ -n $OLD_ADDR && $OLD_ADDR != "$MASTER_ADDR" ]] && INHERITED+=("MASTER_ADDR=$OLD_ADDR")
+[[ -n $OLD_PORT && $OLD_PORT != "$MASTER_PORT" ]] && INHERITED+=("MASTER_PORT=$OLD_PORT")
 if ((${{#INHERITED[@]}})); then
     echo "tricorn: warning: ignoring ${{INHERITED[*]}} from the submitting shell: each task takes its rank from SLURM and the rendezvous from the job (TRICORN_MASTER_PORT sets the port)"
 fi
-MASTER_ADDR=$ADDR
-MASTER_PORT=$PORT
 export MASTER_ADDR MASTER_PORT
 {env}
 
