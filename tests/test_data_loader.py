@@ -9,7 +9,7 @@ import pytest
 import torch
 from harness import demo_corpus_module
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.data.base import MockSamples
 from tricorn.data.indexed import IndexedDatasetBuilder
 from tricorn.data.loader import build_loaders, prepare_vocab

@@ -27,7 +27,7 @@ import te_standin
 import torch
 import torch.distributed as dist
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.parallel.te import TE_BELOW, TE_MIN
 
 # The lowest and the highest release of the pinned range (pyproject.toml's `te` extra).

@@ -15,6 +15,7 @@ from typing import Optional
 
 from tricorn.config import Config, field_errors
 from tricorn.data.skip_samples import skip_samples_errors
+from tricorn.lr_schedule import schedule_errors
 from tricorn.parallel.batch_schedule import validate_rampup
 from tricorn.parallel.compile import validate_compile
 from tricorn.parallel.fp8 import validate_fp8
@@ -88,6 +89,7 @@ def validate(cfg: Config) -> list[str]:
         )
     if t.min_lr > t.lr:
         errs.append(f"--min-lr {t.min_lr} is above --lr {t.lr}; the decay would raise the learning rate")
+    errs += schedule_errors(t)
     if t.bf16 and t.fp16:
         errs.append("--bf16 and --fp16 are exclusive; pick one")
     if cfg.device not in ("cpu", "cuda"):

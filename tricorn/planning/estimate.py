@@ -17,7 +17,8 @@ import os
 import sys
 from typing import Optional
 
-from tricorn.config import Config, ConfigError, build_parser, config_from_args
+from tricorn.config import Config, ConfigError
+from tricorn.config_args import build_parser, config_from_args
 from tricorn.parallel.te import ON_THIS_NODE
 from tricorn.planning.flops import iteration_flops_for_config
 from tricorn.planning.fp8_terms import fp8_terms
@@ -261,6 +262,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"tricorn estimate: error: {e}", file=sys.stderr)
         return 2
+    if cfg.megatron_notice:  # a Megatron command line: its no-ops, in one line
+        print(f"tricorn estimate: {cfg.megatron_notice}", file=sys.stderr)
     rec = estimate_record(cfg, gpu_bytes)
     if extra.plot:
         plot(rec, extra.plot)

@@ -24,7 +24,8 @@ from tricorn.launch_errors import (
 
 
 def resolve_config(argv: Optional[list[str]]) -> Config:
-    from tricorn.config import ConfigError, config_from_args
+    from tricorn.config import ConfigError
+    from tricorn.config_args import config_from_args
     from tricorn.parallel.state import world_size_from_env
     from tricorn.training.wandb_sink import wandb_errors
     from tricorn.validation import output_path_errors, validate
@@ -48,6 +49,8 @@ def resolve_config(argv: Optional[list[str]]) -> Config:
     if errors:
         # One line, from one rank, exit 2 on every rank: every problem, the most layout-relevant first.
         sys.exit(fail("; also: ".join(errors), CONFIG_ERROR, prints=launch_rank() == 0))
+    if cfg.megatron_notice and launch_rank() == 0:  # a Megatron command line: its no-ops, in one line
+        print(f"tricorn: {cfg.megatron_notice}", flush=True)
     return cfg
 
 
