@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_trainer import parser, tiny_trainer  # noqa: E402
 
 from tricorn import profiling  # noqa: E402
-from tricorn.config import config_from_args  # noqa: E402
+from tricorn.config_args import config_from_args  # noqa: E402
 from tricorn.parallel.state import destroy_parallel  # noqa: E402
 from tricorn.profiling import Profiler  # noqa: E402
 

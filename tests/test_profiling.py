@@ -24,7 +24,7 @@ from harness import BASE_FLAGS, ROOT, run_layout, spawn_ranks, with_flag
 
 from tricorn import profiling
 from tricorn.checkpoint import io
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.launch_errors import HANG_ERROR, OOM_ERROR
 from tricorn.validation import output_path_errors, validate
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from harness import BASE_FLAGS, run_layout, with_flag
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.training import wandb_sink
 
 _BLOCK, _HEADER = 32768, 7
