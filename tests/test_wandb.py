@@ -76,6 +76,7 @@ def test_offline_run_logs_the_tensorboard_scalars_and_a_resume_continues_it(tmp_
     save, wdir = tmp_path / "ckpt", tmp_path / "wandb"
     flags = BASE_FLAGS + ["--wandb-project", "tricorn-test", "--wandb-exp-name", "tiny", "--wandb-save-dir", str(wdir)]
     flags += ["--save", str(save), "--save-interval", "2", "--eval-interval", "2", "--eval-iters", "1", "--timing-log-level", "1"]
+    flags += ["--lr-decay-iters", "3"]  # the same schedule in both runs: a resume checks it
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}
     run_layout(with_flag(flags, "--train-iters", "2") + ["--tensorboard-dir", str(tmp_path / "tb1")], 2, tmp_path / "a", env=env)
     run_layout(
