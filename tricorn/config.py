@@ -316,11 +316,43 @@ class DataConfig:
     data_cache_path: Optional[str] = _f(None, "Directory for cached sample indices.")
     tokenizer_type: str = _f(
         "NullTokenizer",
-        "Tokenizer.",
-        choices=["NullTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"],
+        "Tokenizer (docs/data.md#tokenizers).",
+        choices=[
+            "NullTokenizer",
+            "SentencePieceTokenizer",
+            "GPTSentencePieceTokenizer",
+            "Llama2Tokenizer",
+            "GPT2BPETokenizer",
+            "HuggingFaceTokenizer",
+            "TikTokenizer",
+            "Llama3Tokenizer",
+        ],
     )
-    tokenizer_model: Optional[str] = _f(None, "SentencePiece model file.")
+    tokenizer_model: Optional[str] = _f(
+        None,
+        "SentencePiece .model; Hugging Face directory (tokenizer.json); TikTokenizer JSON; Llama 3's tokenizer.model.",
+    )
     legacy_tokenizer: bool = _f(False, "Legacy Megatron tokenizers: NullTokenizer eod V (vocab V+1), Llama2Tokenizer BOS.")
+    vocab_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's vocab.json.")
+    merge_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's merges.txt.")
+    tokenizer_special_tokens: Optional[list] = _f(
+        None, "Special tokens added to a GPT2BPE/HuggingFace tokenizer, or TikTokenizer's special token list.", nargs="+"
+    )
+    tiktoken_pattern: Optional[str] = _f(None, "TikTokenizer split pattern (default v2).", choices=["v1", "v2"])
+    tiktoken_num_special_tokens: int = _f(1000, "TikTokenizer: ids below this are special tokens.", bound=AT_LEAST_1)
+    tokenizer_hf_no_include_special_tokens: bool = _f(
+        False, "HuggingFaceTokenizer/Llama3Tokenizer: no BOS (the tokenizer's own special tokens) around each document."
+    )
+    tokenizer_hf_no_use_fast: bool = _f(
+        False, "HuggingFaceTokenizer: transformers' slow tokenizer; accepted where it gives the fast one's ids, else refused."
+    )
+    trust_remote_code: bool = _f(
+        False, "Accepted for a Hugging Face directory that needs no code; one that needs code is refused (tricorn runs none)."
+    )
+    null_tokenizer_eod_id: Optional[int] = _f(
+        None, "NullTokenizer end-of-document id (default: vocab size - 1).", bound=NON_NEGATIVE
+    )
+    null_tokenizer_pad_id: int = _f(-1, "NullTokenizer pad id, left out of the loss (-1: none).", bound=Bound(lo=-1))
     eval_interval: int = _f(1000, "Evaluate on the validation split every N iterations.", bound=AT_LEAST_1)
     eval_iters: int = _f(10, "Validation iterations per evaluation.", bound=NON_NEGATIVE)
     num_workers: int = _f(0, "Data loader worker processes.", bound=NON_NEGATIVE)

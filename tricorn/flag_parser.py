@@ -36,23 +36,29 @@ def tricorn_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):
-            flag = flag_of(f)
-            meta = dict(f.metadata)
-            helptext = meta.pop("help")
-            negate = meta.pop("negate", None)
-            names = [flag, *meta.pop("aliases", [])]  # Megatron's other spellings of the same flag
-            meta.pop("bound", None)
-            base, _ = field_kind(f)
-            if base == "bool":
-                if negate:
-                    group.add_argument(negate, dest=f.name, action="store_false", help=helptext + " (on by default)")
-                    group.add_argument(*names, dest=f.name, action="store_true", help=argparse.SUPPRESS)
-                else:
-                    group.add_argument(*names, dest=f.name, action="store_true", help=helptext)
-                continue
-            if "type" not in meta:
-                meta["type"] = {"int": int, "float": float}.get(base, str)
-            if "choices" in meta and meta["type"] is str:
-                meta["choices"] = [str(c) for c in meta["choices"]]
-            group.add_argument(*names, dest=f.name, help=helptext, **meta)
+            add_field_flag(group, f)
     return parser
+
+
+def add_field_flag(group, f: dataclasses.Field, default: object = argparse.SUPPRESS) -> None:
+    """The flag of one config field (Megatron's name and its other spellings, help, type, choices, nargs); also
+    used by `tricorn preprocess`."""
+    flag = flag_of(f)
+    meta = dict(f.metadata)
+    helptext = meta.pop("help")
+    negate = meta.pop("negate", None)
+    names = [flag, *meta.pop("aliases", [])]  # Megatron's other spellings of the same flag
+    meta.pop("bound", None)
+    base, _ = field_kind(f)
+    if base == "bool":
+        if negate:
+            group.add_argument(negate, dest=f.name, action="store_false", help=helptext + " (on by default)", default=default)
+            group.add_argument(*names, dest=f.name, action="store_true", help=argparse.SUPPRESS, default=default)
+        else:
+            group.add_argument(*names, dest=f.name, action="store_true", help=helptext, default=default)
+        return
+    if "type" not in meta:
+        meta["type"] = {"int": int, "float": float}.get(base, str)
+    if "choices" in meta and meta["type"] is str:
+        meta["choices"] = [str(c) for c in meta["choices"]]
+    group.add_argument(*names, dest=f.name, help=helptext, default=default, **meta)

@@ -295,6 +295,21 @@ def check_config(ckpt: Path, model: ModelConfig) -> None:
         raise CheckpointError(f"{path} describes a different model: {'; '.join(diff)}; use the model flags it was saved with")
 
 
+def checkpoint_vocab_size(load: str, ckpt_step: Optional[int]) -> Optional[tuple[Path, int]]:
+    """(checkpoint directory, the vocabulary size its config.yaml records) of what --load would load, or None."""
+    import yaml
+
+    path, _ = find_checkpoint(Path(load), ckpt_step)
+    if path is None or not (path / CONFIG_FILE).is_file():
+        return None
+    try:
+        saved = (yaml.safe_load(_read_text(path / CONFIG_FILE)) or {}).get("model", {})
+    except (yaml.YAMLError, AttributeError) as e:
+        raise unreadable(path / CONFIG_FILE, e) from None
+    vocab = saved.get("vocab_size") if isinstance(saved, dict) else None
+    return (path, vocab) if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
 def unreadable(path: Path, e: Exception) -> CheckpointError:
     """The one line for a checkpoint file that cannot be parsed: what is wrong with it, and what to do."""
     why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else str(e)
