@@ -21,6 +21,7 @@ from torch import nn
 
 from tricorn.data.base import Batch
 from tricorn.model.moe import set_aux_loss_scale
+from tricorn.profiling import span
 from tricorn.timers import NULL_TIMERS, Timers
 
 
@@ -91,8 +92,10 @@ def forward_backward_no_pipelining(chunks: list[nn.Module], microbatches: list[B
                 _, logged = microbatch_loss(model, mb, ctx, i)
         else:
             with ctx.optimizer.microbatch(is_last=i == len(microbatches) - 1):
-                loss, logged = microbatch_loss(model, mb, ctx, i)
+                with span("forward mb%d", i):
+                    loss, logged = microbatch_loss(model, mb, ctx, i)
                 set_moe_aux_weight(ctx, i, mb)
-                ctx.optimizer.scale_loss(loss).backward()
+                with span("backward mb%d", i):
+                    ctx.optimizer.scale_loss(loss).backward()
         total += logged
     return total
