@@ -267,6 +267,11 @@ class TrainingConfig:
     adam_beta2: float = _f(0.999, "Adam beta2.", bound=PROBABILITY)
     adam_eps: float = _f(1e-8, "Adam epsilon.", bound=POSITIVE)
     clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0 disables).", bound=NON_NEGATIVE)
+    calculate_per_token_loss: bool = _f(
+        False,
+        "Normalise the loss by the global batch's valid tokens (default: each microbatch by its own, averaged over "
+        "the microbatches, as Megatron).",
+    )
     seed: int = _f(1234, "Seed of initialisation, data order and dropout.", bound=Bound(lo=0, hi=2**32 - 1))
     bf16: bool = _f(False, "bf16 parameters and compute, fp32 master weights.")
     fp16: bool = _f(False, "fp16 parameters and compute with dynamic loss scaling.")
