@@ -47,6 +47,12 @@ class ModelConfig:
     num_attention_heads: int = _f(4, "Query heads a.", bound=AT_LEAST_1)
     num_query_groups: Optional[int] = _f(None, "Key/value heads for GQA/MQA (needs --group-query-attention).", bound=AT_LEAST_1)
     group_query_attention: bool = _f(False, "Use --num-query-groups key/value heads.")
+    kv_channels: Optional[int] = _f(
+        None, "Head dimension of queries, keys and values (default: --hidden-size / --num-attention-heads).", bound=AT_LEAST_1
+    )
+    qk_layernorm: bool = _f(
+        False, "Per-head norm (--normalization) on queries and keys after their projection, before RoPE (Qwen3, OLMo 2)."
+    )
     seq_length: int = _f(64, "Tokens per sample.", bound=AT_LEAST_1)
     max_position_embeddings: Optional[int] = _f(None, "Longest position (default: --seq-length).", bound=AT_LEAST_1)
     position_embedding_type: str = _f("rope", "Position encoding.", choices=["rope", "learned_absolute"])
@@ -67,6 +73,9 @@ class ModelConfig:
     norm_epsilon: float = _f(1e-5, "Epsilon of the norms.", bound=POSITIVE)
     swiglu: bool = _f(False, "SwiGLU MLP instead of GeLU.")
     disable_bias_linear: bool = _f(False, "No biases in the linear layers.")
+    add_qkv_bias: bool = _f(
+        False, "Biases on the query, key and value projections (with --disable-bias-linear: only there, as Qwen2)."
+    )
     untie_embeddings_and_output_weights: bool = _f(False, "Separate output head instead of reusing the embedding.")
     hidden_dropout: float = _f(0.0, "Dropout on the residual branches.", bound=PROBABILITY)
     attention_dropout: float = _f(0.0, "Dropout on the attention probabilities.", bound=PROBABILITY)
@@ -111,7 +120,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the fused QKV projection has a bias (every linear's, or --add-qkv-bias alone)."""
+        return self.add_qkv_bias or not self.disable_bias_linear
 
     @property
     def ffn_size(self) -> int:
@@ -292,6 +306,9 @@ class CheckpointConfig:
         True, "Check every checkpoint file against its checksum before loading.", negate="--no-verify-checkpoint"
     )
     keep_last_n_checkpoints: Optional[int] = _f(None, "Delete older checkpoints once a newer one is complete.", bound=AT_LEAST_1)
+    use_checkpoint_args: bool = _f(
+        False, "Take the model flags from the --load checkpoint's config (a flag that contradicts it is an error)."
+    )
 
 
 @dataclass
