@@ -119,7 +119,7 @@ rotary, positions = rotary_of(m), torch.arange(s)
 one = Attention(m, local_spec())
 init_weights(one, 3, 0.5, 1)
 with torch.no_grad():  # non-trivial norm weights and biases (init makes them 1 and 0)
-    for name, p in one.named_parameters():
+    for p in one.parameters():
         if p.dim() == 1:
             p.copy_(torch.randn(p.shape))
 y_ref = one(x_full, rotary, positions)
