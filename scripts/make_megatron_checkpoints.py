@@ -75,7 +75,17 @@ CASES: dict[str, tuple[int, list[str]]] = {
 # Issue 40: Qwen-style attention (per-head q/k RMSNorm, biases on Q, K and V only, head dim 24 != 64 / 4) at TP2.
 CASES["qwen_tp2_dist"] = (
     2,
-    LLAMA + ["--qk-layernorm", "--add-qkv-bias", "--kv-channels", "24", "--ckpt-format", "torch_dist", "--tensor-model-parallel-size", "2"],
+    LLAMA
+    + [
+        "--qk-layernorm",
+        "--add-qkv-bias",
+        "--kv-channels",
+        "24",
+        "--ckpt-format",
+        "torch_dist",
+        "--tensor-model-parallel-size",
+        "2",
+    ],
 )
 
 # name -> (case it is re-saved from, world size, megatron flags): megatron-core loads the source case's torch_dist

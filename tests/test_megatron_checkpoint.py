@@ -67,7 +67,11 @@ def test_fixtures_cover_the_issue():
         # issue 40: per-head q/k norms, QKV biases without the others, a head dim that is not hidden / heads
         seen |= {("qk_layernorm", a["qk_layernorm"]), ("qkv_bias_only", a["add_qkv_bias"] and not a["add_bias_linear"])}
         seen |= {("kv_channels", a["kv_channels"] * a["num_attention_heads"] != a["hidden_size"])}
-    want = {(k, v) for k in ("swiglu", "distopt", "tied", "gqa", "rope", "qk_layernorm", "qkv_bias_only", "kv_channels") for v in (True, False)}
+    want = {
+        (k, v)
+        for k in ("swiglu", "distopt", "tied", "gqa", "rope", "qk_layernorm", "qkv_bias_only", "kv_channels")
+        for v in (True, False)
+    }
     assert want | {("tp", 1), ("tp", 2), ("pp", 2), ("fmt", "torch"), ("fmt", "torch_dist")} <= seen
     total = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
     assert total < 8 * 2**20, f"fixtures grew to {total / 2**20:.1f} MiB"
