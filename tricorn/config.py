@@ -150,6 +150,43 @@ class ModelConfig:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
 
+# The fields that fix a model's weights and math (what a checkpoint's config.yaml pins down). --use-checkpoint-args
+# takes them from the checkpoint, a preset sets its own, and a flag or YAML value contradicting either is refused
+# (config_args.py). seq_length, dropout, init and recompute are the run's choices, not the model's.
+ARCHITECTURE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "group_query_attention",
+    "kv_channels",
+    "qk_layernorm",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "rotary_base",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor",
+    "rope_scaling_original_max_position_embeddings",
+    "normalization",
+    "norm_epsilon",
+    "swiglu",
+    "disable_bias_linear",
+    "add_qkv_bias",
+    "untie_embeddings_and_output_weights",
+    "vocab_size",
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_layer_freq",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_score_function",
+    "moe_router_enable_expert_bias",
+)
+
+
 CP_COMM_TYPES = ("p2p", "a2a", "allgather")  # --cp-comm-type: tricorn/parallel/context/ has one module each
 
 

@@ -1,6 +1,7 @@
 """The command line and YAML files -> a Config: parser generated from the dataclasses of tricorn/config.py.
 
-Defaults <- preset <- YAML (``--config``) <- flags. Errors are ConfigError, one sentence each; no
+Defaults <- preset <- YAML (``--config``) <- flags, and --use-checkpoint-args (tricorn/model_args.py); an architecture
+field set against the preset or the checkpoint is refused. Errors are ConfigError, one sentence each; no
 collectives, no device work.
 """
 
@@ -12,8 +13,9 @@ import difflib
 import os
 from typing import Optional
 
-from tricorn.config import SECTIONS, Config, ConfigError, ModelConfig
+from tricorn.config import SECTIONS, Config, ConfigError
 from tricorn.fields import field_kind, flag_of, value_error, yaml_type_error
+from tricorn.model_args import apply_checkpoint_args, preset_conflicts
 from tricorn.presets import PRESETS
 
 
@@ -73,7 +75,8 @@ def _suggest(key: str, options: list[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _apply_yaml(cfg: Config, path: str) -> None:
+def _apply_yaml(cfg: Config, path: str) -> dict[str, object]:
+    """Apply the YAML file; returns the model fields it set (name -> value)."""
     import yaml
 
     try:
@@ -87,6 +90,7 @@ def _apply_yaml(cfg: Config, path: str) -> None:
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     top_keys = list(SECTIONS) + ["device", "model_preset"]
     errors: list[str] = []
+    model_fields: dict[str, object] = {}
     for key, value in data.items():
         if key in ("device", "model_preset"):
             if value is not None and not isinstance(value, str):
@@ -112,8 +116,11 @@ def _apply_yaml(cfg: Config, path: str) -> None:
             else:
                 is_float = v is not None and field_kind(fields[k2])[0] == "float"  # None: an unset Optional
                 setattr(section, k2, float(v) if is_float else v)
+                if key == "model":
+                    model_fields[k2] = getattr(section, k2)
     if errors:
         raise ConfigError("; also: ".join(errors))
+    return model_fields
 
 
 def field_errors(cfg: Config) -> list[str]:
@@ -136,8 +143,7 @@ def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int]
     """Defaults <- preset <- YAML <- flags. Raises ConfigError; does not validate."""
     args = vars(build_parser().parse_args(argv))  # ConfigError on a malformed flag
     cfg = Config()
-    if "config" in args:
-        _apply_yaml(cfg, args.pop("config"))
+    explicit = _apply_yaml(cfg, args.pop("config")) if "config" in args else {}  # model fields the run sets
     preset = args.pop("model_preset", None) or cfg.model_preset
     if preset is not None:
         if preset not in PRESETS:
@@ -146,10 +152,8 @@ def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int]
             )
         cfg.model_preset = preset
         # Preset first, then anything the YAML or the flags set explicitly on top.
-        yaml_model = dataclasses.asdict(cfg.model)
-        defaults = dataclasses.asdict(ModelConfig())
         for k, v in PRESETS[preset].items():
-            if yaml_model[k] == defaults[k]:
+            if k not in explicit:
                 setattr(cfg.model, k, v)
     cfg.device = args.pop("device", None) or cfg.device or default_device()
     if "dry_run" in args:
@@ -158,6 +162,15 @@ def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int]
     for dest, value in args.items():
         section, name = names[dest]
         setattr(getattr(cfg, section), name, value)
+        if section == "model":
+            explicit[name] = getattr(cfg.model, name)
+    if preset is not None:
+        conflicts = preset_conflicts(preset, PRESETS[preset], explicit)
+        if conflicts:
+            raise ConfigError("; also: ".join(conflicts))
+        explicit = {**PRESETS[preset], **explicit}
+    if cfg.checkpoint.use_checkpoint_args:
+        apply_checkpoint_args(cfg, explicit)
     cfg.world_size = (
         world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     )
