@@ -2,7 +2,7 @@
 
     defaults <- preset <- YAML <- flags          (config_args.config_from_args)
     --use-checkpoint-args: the architecture fields (config.ARCHITECTURE_FIELDS) of the --load checkpoint's
-    config.yaml replace the defaults; --seq-length and --rotary-angles-dtype too when not given
+    config.yaml replace the defaults; --seq-length, --rotary-angles-dtype and --moe-aux-loss-coeff too when not given
 
 A preset names a published model and the checkpoint is the model being trained, so a flag or YAML value that
 contradicts either on an architecture field is refused with one line naming both values, never silently
@@ -18,8 +18,9 @@ from typing import Any
 from tricorn.config import ARCHITECTURE_FIELDS, Config, ConfigError, ModelConfig
 from tricorn.fields import flag_of
 
-# Taken from the checkpoint only when the run does not set them: the run's length and a numerical choice.
-_IF_NOT_GIVEN = ("seq_length", "rotary_angles_dtype")
+# Taken from the checkpoint only when the run does not set them: the run's length, a numerical choice, and the
+# MoE load-balancing weight (import-hf records the release's router_aux_loss_coef).
+_IF_NOT_GIVEN = ("seq_length", "rotary_angles_dtype", "moe_aux_loss_coeff")
 
 
 def _flag(name: str) -> str:
@@ -37,14 +38,40 @@ def _show(value: Any) -> str:
 PRESET_DEPTH = "num_layers"
 
 
+def _given(name: str, value: Any) -> str:
+    """How a value reads on the command line: `--qk-layernorm`, `--hidden-size 1024`."""
+    if isinstance(value, bool):
+        return _flag(name) if value else f"{_flag(name)} off"
+    return f"{_flag(name)} {_show(value)}"
+
+
+def _theirs(value: Any) -> str:
+    return ("turns it on" if value else "leaves it off") if isinstance(value, bool) else f"sets {_show(value)}"
+
+
 def preset_conflicts(preset: str, values: dict[str, Any], explicit: dict[str, Any]) -> list[str]:
-    """One sentence per architecture field that the run sets (`explicit`: field -> value) against the preset's."""
-    return [
-        f"{_flag(k)} {_show(explicit[k])} contradicts --model-preset {preset}, which sets {_show(values[k])} "
-        "(drop the flag, or drop the preset and give every model flag)"
-        for k in ARCHITECTURE_FIELDS
-        if k != PRESET_DEPTH and k in values and k in explicit and explicit[k] != values[k]
-    ]
+    """One sentence per architecture field that the run sets (`explicit`: field -> value) against the preset's model:
+    the preset's own values and what they imply (its head dim, its key/value heads, a feature it leaves off); a
+    field the preset leaves unset (None: the tiny preset's vocabulary) is the run's to give."""
+    import dataclasses
+
+    model = ModelConfig(**values)
+    given = {k: explicit[k] for k in ARCHITECTURE_FIELDS if k in explicit and k != PRESET_DEPTH}
+    changed = dataclasses.replace(model, **given)
+    out = []
+    derived = {  # flags that decide one property together: compared by what they decide
+        "head dim": (("kv_channels",), model.head_dim, changed.head_dim),
+        "key/value heads": (("group_query_attention", "num_query_groups"), model.kv_heads, changed.kv_heads),
+    }
+    for what, (names, theirs, ours) in derived.items():
+        if ours != theirs:
+            flags = " ".join(_given(n, given[n]) for n in names if n in given)
+            out.append(f"{flags} contradicts --model-preset {preset}, which has {what} {theirs}")
+    skip = {n for names, _, _ in derived.values() for n in names}
+    for name, value in given.items():
+        if name not in skip and getattr(model, name) is not None and value != getattr(model, name):
+            out.append(f"{_given(name, value)} contradicts --model-preset {preset}, which {_theirs(getattr(model, name))}")
+    return [f"{line} (drop the flag, or drop the preset and give every model flag)" for line in out]
 
 
 def checkpoint_model(load: str, ckpt_step: Any) -> tuple[Path, dict]:
@@ -77,7 +104,7 @@ def apply_checkpoint_args(cfg: Config, explicit: dict[str, Any]) -> None:
             continue
         if name in explicit:
             if name in ARCHITECTURE_FIELDS and explicit[name] != saved[name]:
-                conflicts.append(f"{_flag(name)} {_show(explicit[name])} contradicts the checkpoint's {_show(saved[name])}")
+                conflicts.append(f"{_given(name, explicit[name])} contradicts the checkpoint's {_show(saved[name])}")
             continue
         setattr(cfg.model, name, saved[name])
     if conflicts:
