@@ -23,7 +23,7 @@ import pytest
 import torch
 import transformers
 from badinput import assert_refused
-from harness import BASE_FLAGS, FP32_RTOL, run_layout
+from harness import FP32_RTOL, run_layout
 from test_hf import assert_logits_close
 
 from tricorn.checkpoint.interop.hf import export_hf, import_hf, read_model_config
