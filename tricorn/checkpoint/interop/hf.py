@@ -1,7 +1,7 @@
-"""Hugging Face Llama <-> tricorn checkpoints: `tricorn import-hf` and `tricorn export-hf`.
+"""Hugging Face <-> tricorn checkpoints: `tricorn import-hf` and `tricorn export-hf`.
 
-import-hf reads a LlamaForCausalLM directory (config.json plus one or many
-*.safetensors files; Llama 2, 3 and 3.1 with rope_scaling "llama3", tied or
+import-hf reads a directory of any family of hf_config.FAMILIES (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3,
+Mixtral, Qwen3-MoE: config.json of transformers 4 or 5 plus the *.safetensors files its index names, tied or
 untied, any float dtype) and writes a weights-only tricorn checkpoint,
 `SAVE/iter_0000000`, with every tensor under its global name and shape, so it
 loads at any TP/PP/DP layout through `--load`. Training from it starts at
@@ -9,8 +9,8 @@ iteration 0 with fresh optimizer state (Megatron's "release" checkpoints).
 export-hf reads a checkpoint of any layout and writes safetensors shards with
 their index, config.json and, when given, the tokenizer files.
 
-The mapping of configs and tensors (exact, so a round trip is bit-exact) is
-in hf_mapping.py.
+The mapping of configs (hf_config.py: every config.json key read, checked, ignored or refused) and of tensors
+(hf_mapping.py: exact, so a round trip is bit-exact).
 
 Memory: both directions stream, one tensor at a time. The import writes through
 DCP with a planner that builds each tricorn tensor when the writer asks for it;
