@@ -15,39 +15,27 @@ Bounds: logits within 1e-5 of the largest logit (the issue's; test_hf.LOGITS_RTO
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+import test_hf
 import torch
 import transformers
 from badinput import assert_refused
 from harness import FP32_RTOL, run_layout
-from test_hf import assert_logits_close
+from test_hf import assert_logits_close, tricorn_model
 
 from tricorn.checkpoint.interop.hf import export_hf, import_hf, read_model_config
 from tricorn.checkpoint.interop.hf_config import FAMILIES, FAMILY_DEFAULTS, ConvertError, model_config_from_hf
-from tricorn.checkpoint.io import read_tensors
 from tricorn.cli import main as cli
 from tricorn.config import PRESETS, ModelConfig
-from tricorn.model import GPTModel
 from tricorn.planning.memory import active_params, total_params
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf5"
 QUIET = dict(console=lambda _: None)
 VOCAB = 300
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-    rope_theta=50000.0,
-)
+SMALL = {**test_hf.SMALL, "rope_theta": 50000.0}
 # family -> (config class, model class, config keywords): transformers 4.57's classes. Qwen3 and Qwen3-MoE at head
 # dim 24 (64 / 4 = 16), Mistral with its default 4096-token window (>= 128 positions: it never masks), Qwen2 tied.
 TF4 = {
@@ -62,21 +50,6 @@ TF4 = {
         dict(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
     ),
 }
-
-
-def tricorn_model(ckpt: Path) -> GPTModel:
-    """The single-process model of checkpoint `ckpt`; each expert's saved matrix (...experts.<e>.w1) stacked back."""
-    cfg = read_model_config(ckpt)
-    model = GPTModel(cfg, padded_vocab_size=cfg.vocab_size).eval()
-    weights = {k.removeprefix("model."): v.float() for k, v in read_tensors(ckpt, "model.").items()}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    for key in list(weights):
-        found = re.fullmatch(r"(.*\.experts)\.(\d+)\.(w[12])", key)
-        if found:
-            experts.setdefault(f"{found[1]}.{found[3]}", {})[int(found[2])] = weights.pop(key)
-    weights.update({k: torch.stack([v[e] for e in sorted(v)]) for k, v in experts.items()})
-    model.load_state_dict(weights)
-    return model
 
 
 def save_tf4(family: str, path: Path):
