@@ -10,6 +10,10 @@ e (4 fp32, 2 bf16/fp16). Counted the way Korthikanti et al. 2022 count sbh(34 + 
 a backward needs, in bytes); ``layer_activation_terms`` returns one field per row. Every tensor is saved once,
 in the compute dtype, and sharded over the sequence (SP) or the tensor dimension (tricorn/model/lean.py):
 
+With --kv-channels d != h/a the attention terms (qkv, attention_output and their CP and dropout forms) count the
+attention width a*d where the table says h. --qk-layernorm adds ``qk_norm``: the per-head norms' inputs (q and k,
+e(a + g)d / t per token) and their fp32 statistics (4(a + g)/t; LayerNorm 8), RoPE after them keeping its rows only.
+
     field             bytes / sbh                     what autograd keeps (module that saves it)
     norm_inputs       2e                    [/t SP]   the two norms' inputs (the norms, lean.norm)
     norm_stats        2 * 4k / h            [/t SP]   fp32 rstd (k = 1) - LayerNorm: mean too (k = 2)
