@@ -93,12 +93,13 @@ def checkpoint_model(load: str, ckpt_step: Any) -> tuple[Path, dict]:
     return path, saved
 
 
-def apply_checkpoint_args(cfg: Config, explicit: dict[str, Any]) -> None:
-    """--use-checkpoint-args: the model of the --load checkpoint, refusing explicit values that contradict it."""
+def apply_checkpoint_args(cfg: Config, explicit: dict[str, Any]) -> set[str]:
+    """--use-checkpoint-args: the model of the --load checkpoint, refusing explicit values that contradict it; returns
+    the fields it set (given, as far as Megatron's defaults for its command lines are concerned)."""
     if not cfg.checkpoint.load:
         raise ConfigError("--use-checkpoint-args needs --load (the checkpoint whose model flags to use)")
     path, saved = checkpoint_model(cfg.checkpoint.load, cfg.checkpoint.ckpt_step)
-    conflicts = []
+    conflicts, taken = [], set()
     for name in ARCHITECTURE_FIELDS + _IF_NOT_GIVEN:
         if name not in saved:
             continue
@@ -107,8 +108,10 @@ def apply_checkpoint_args(cfg: Config, explicit: dict[str, Any]) -> None:
                 conflicts.append(f"{_given(name, explicit[name])} contradicts the checkpoint's {_show(saved[name])}")
             continue
         setattr(cfg.model, name, saved[name])
+        taken.add(name)
     if conflicts:
         raise ConfigError(
             f"--use-checkpoint-args takes the model from {path}: {'; '.join(conflicts)} (drop the flag, or drop "
             "--use-checkpoint-args)"
         )
+    return taken

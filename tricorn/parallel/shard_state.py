@@ -17,7 +17,7 @@ aliased) + 8 (moments), plus offload staging buffers. No collectives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -94,7 +94,11 @@ class ShardState:
         if self.entries:  # a rank may own only padding of a small bucket
             decay = [m for m, (p, *_) in zip(self.masters, self.entries) if p.ndim > 1]
             no_decay = [m for m, (p, *_) in zip(self.masters, self.entries) if p.ndim <= 1]
-            groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            # wd_mult: Megatron's, the factor of the scheduled weight decay (set_lr) each group takes.
+            groups = [
+                {"params": decay, "weight_decay": t.weight_decay, "wd_mult": 1.0},
+                {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
+            ]
             kind = adamw_kind(home)
             self.fused = "fused" in kind
             self.adam = torch.optim.AdamW(
@@ -147,10 +151,16 @@ class ShardState:
         if not self.alias:
             self.master.copy_(self.bucket.shard_param())
 
-    def set_lr(self, lr: float) -> None:
-        if self.adam is not None:
-            for group in self.adam.param_groups:
-                group["lr"] = lr
+    def set_lr(self, lr: Union[float, torch.Tensor], weight_decay: float) -> None:
+        """A tensor lr (a run whose steps can be skipped) goes to the fused kernel as it is; the offloaded step (on
+        the host) and the foreach fallback (no tensor lr without capturable) read it, as they read found_inf."""
+        if self.adam is None:
+            return
+        if isinstance(lr, torch.Tensor) and (self.offloaded or not self.fused):
+            lr = float(lr)
+        for group in self.adam.param_groups:
+            group["lr"] = lr
+            group["weight_decay"] = weight_decay * group["wd_mult"]
 
     def _steps(self) -> list[torch.Tensor]:
         return [self.adam.state[m]["step"] for m in self.masters] if self.adam is not None else []
