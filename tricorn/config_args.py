@@ -16,9 +16,9 @@ from typing import Optional
 
 from tricorn.config import SECTIONS, Config, ConfigError
 from tricorn.fields import field_kind, flag_of, value_error, yaml_type_error
-from tricorn.model_args import apply_checkpoint_args, preset_conflicts
 from tricorn.megatron_flags import PREFIX as MEGATRON
 from tricorn.megatron_flags import check_command_line, megatron_defaults, megatron_notice, run_context
+from tricorn.model_args import apply_checkpoint_args, preset_conflicts
 from tricorn.presets import PRESETS
 
 
