@@ -321,5 +321,5 @@ def test_use_checkpoint_args_takes_the_model_and_refuses_a_contradicting_flag(tm
     flags = ["--load", str(tmp_path / "ckpt"), "--use-checkpoint-args", "--mock-data", "--device", "cpu"]
     cfg = config_from_args(flags, world_size=1)
     assert cfg.model == read_model_config(sorted((tmp_path / "ckpt").glob("iter_*"))[0])
-    assert_refused(flags + ["--num-experts", "8"], tmp_path, needle="--num-experts 8 contradicts the checkpoint's 4")
+    assert_refused(flags + ["--num-experts", "8"], tmp_path, needle="--num-experts 8 contradicts the checkpoint, which sets 4")
     assert_refused(["--use-checkpoint-args", "--mock-data", "--vocab-size", "8"], tmp_path, needle="needs --load")

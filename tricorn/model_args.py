@@ -12,6 +12,7 @@ fine, and so is a preset's --num-layers (PRESET_DEPTH). Reads one YAML file; no 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,6 @@ _IF_NOT_GIVEN = ("seq_length", "rotary_angles_dtype", "moe_aux_loss_coeff")
 
 
 def _flag(name: str) -> str:
-    import dataclasses
-
     return flag_of(next(f for f in dataclasses.fields(ModelConfig) if f.name == name))
 
 
@@ -49,29 +48,45 @@ def _theirs(value: Any) -> str:
     return ("turns it on" if value else "leaves it off") if isinstance(value, bool) else f"sets {_show(value)}"
 
 
+# Fields that decide one property together are compared by what they decide (None: derived from the others).
+_DERIVED = {
+    "head dim": (("kv_channels",), "head_dim"),
+    "key/value heads": (("group_query_attention", "num_query_groups"), "kv_heads"),
+    "MLP width": (("ffn_hidden_size",), "ffn_size"),
+    "expert MLP width": (("moe_ffn_hidden_size",), "moe_ffn_size"),
+}
+
+
+def conflicts(model: ModelConfig, given: dict[str, Any], unset_is_free: bool) -> list[str]:
+    """`flags contradicts ..., which ...` without the subject's name, for each architecture field in `given` (field ->
+    value) that changes `model`. unset_is_free: a field `model` leaves None is the run's to give (a preset's)."""
+    import dataclasses
+
+    given = {k: v for k, v in given.items() if k in ARCHITECTURE_FIELDS}
+    changed = dataclasses.replace(model, **given)
+    out = []
+    for what, (names, prop) in _DERIVED.items():
+        if any(n in given for n in names) and getattr(changed, prop) != getattr(model, prop):
+            flags = " ".join(_given(n, given[n]) for n in names if n in given)
+            out.append(f"{flags} contradicts {{}}, which has {what} {getattr(model, prop)}")
+    derived = {n for names, _ in _DERIVED.values() for n in names}
+    for name, value in given.items():
+        theirs = getattr(model, name)
+        if name in derived or (theirs is None and unset_is_free) or value == theirs:
+            continue
+        out.append(f"{_given(name, value)} contradicts {{}}, which {_theirs(theirs)}")
+    return out
+
+
 def preset_conflicts(preset: str, values: dict[str, Any], explicit: dict[str, Any]) -> list[str]:
     """One sentence per architecture field that the run sets (`explicit`: field -> value) against the preset's model:
     the preset's own values and what they imply (its head dim, its key/value heads, a feature it leaves off); a
-    field the preset leaves unset (None: the tiny preset's vocabulary) is the run's to give."""
-    import dataclasses
-
-    model = ModelConfig(**values)
-    given = {k: explicit[k] for k in ARCHITECTURE_FIELDS if k in explicit and k != PRESET_DEPTH}
-    changed = dataclasses.replace(model, **given)
-    out = []
-    derived = {  # flags that decide one property together: compared by what they decide
-        "head dim": (("kv_channels",), model.head_dim, changed.head_dim),
-        "key/value heads": (("group_query_attention", "num_query_groups"), model.kv_heads, changed.kv_heads),
-    }
-    for what, (names, theirs, ours) in derived.items():
-        if ours != theirs:
-            flags = " ".join(_given(n, given[n]) for n in names if n in given)
-            out.append(f"{flags} contradicts --model-preset {preset}, which has {what} {theirs}")
-    skip = {n for names, _, _ in derived.values() for n in names}
-    for name, value in given.items():
-        if name not in skip and getattr(model, name) is not None and value != getattr(model, name):
-            out.append(f"{_given(name, value)} contradicts --model-preset {preset}, which {_theirs(getattr(model, name))}")
-    return [f"{line} (drop the flag, or drop the preset and give every model flag)" for line in out]
+    field the preset leaves unset (None: the tiny preset's vocabulary) is the run's to give, and so is its depth."""
+    given = {k: v for k, v in explicit.items() if k != PRESET_DEPTH}
+    return [
+        line.format(f"--model-preset {preset}") + " (drop the flag, or drop the preset and give every model flag)"
+        for line in conflicts(ModelConfig(**values), given, unset_is_free=True)
+    ]
 
 
 def checkpoint_model(load: str, ckpt_step: Any) -> tuple[Path, dict]:
@@ -99,19 +114,14 @@ def apply_checkpoint_args(cfg: Config, explicit: dict[str, Any]) -> set[str]:
     if not cfg.checkpoint.load:
         raise ConfigError("--use-checkpoint-args needs --load (the checkpoint whose model flags to use)")
     path, saved = checkpoint_model(cfg.checkpoint.load, cfg.checkpoint.ckpt_step)
-    conflicts, taken = [], set()
-    for name in ARCHITECTURE_FIELDS + _IF_NOT_GIVEN:
-        if name not in saved:
-            continue
-        if name in explicit:
-            if name in ARCHITECTURE_FIELDS and explicit[name] != saved[name]:
-                conflicts.append(f"{_given(name, explicit[name])} contradicts the checkpoint's {_show(saved[name])}")
-            continue
-        setattr(cfg.model, name, saved[name])
-        taken.add(name)
-    if conflicts:
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    found = conflicts(ModelConfig(**{k: v for k, v in saved.items() if k in known}), explicit, unset_is_free=False)
+    if found:
+        lines = "; ".join(line.format("the checkpoint") for line in found)
         raise ConfigError(
-            f"--use-checkpoint-args takes the model from {path}: {'; '.join(conflicts)} (drop the flag, or drop "
-            "--use-checkpoint-args)"
+            f"--use-checkpoint-args takes the model from {path}: {lines} (drop the flag, or drop --use-checkpoint-args)"
         )
+    taken = {name for name in ARCHITECTURE_FIELDS + _IF_NOT_GIVEN if name in saved and name not in explicit}
+    for name in taken:
+        setattr(cfg.model, name, saved[name])
     return taken
