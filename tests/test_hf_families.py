@@ -321,5 +321,7 @@ def test_use_checkpoint_args_takes_the_model_and_refuses_a_contradicting_flag(tm
     flags = ["--load", str(tmp_path / "ckpt"), "--use-checkpoint-args", "--mock-data", "--device", "cpu"]
     cfg = config_from_args(flags, world_size=1)
     assert cfg.model == read_model_config(sorted((tmp_path / "ckpt").glob("iter_*"))[0])
+    same = config_from_args(flags + ["--kv-channels", "16", "--ffn-hidden-size", "48", "--seq-length", "8"], world_size=1)
+    assert same.model.head_dim == 16 and same.model.seq_length == 8  # values equal to the checkpoint's; the run's length
     assert_refused(flags + ["--num-experts", "8"], tmp_path, needle="--num-experts 8 contradicts the checkpoint, which sets 4")
     assert_refused(["--use-checkpoint-args", "--mock-data", "--vocab-size", "8"], tmp_path, needle="needs --load")
