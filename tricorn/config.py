@@ -51,7 +51,7 @@ class ModelConfig:
         None, "Head dimension of queries, keys and values (default: --hidden-size / --num-attention-heads).", bound=AT_LEAST_1
     )
     qk_layernorm: bool = _f(
-        False, "Per-head norm (--normalization) on queries and keys after their projection, before RoPE (Qwen3, OLMo 2)."
+        False, "Per-head norm (--normalization) on queries and keys after their projection, before RoPE (Megatron's; Qwen3)."
     )
     seq_length: int = _f(64, "Tokens per sample.", bound=AT_LEAST_1)
     max_position_embeddings: Optional[int] = _f(None, "Longest position (default: --seq-length).", bound=AT_LEAST_1)
