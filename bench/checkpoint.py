@@ -69,7 +69,7 @@ def plain_save_seconds(trainer, ckpt) -> float:
 
 def build_trainer(args: argparse.Namespace, root: Path):
     from tricorn.checkpoint.checkpointer import Checkpointer
-    from tricorn.config import config_from_args
+    from tricorn.config_args import config_from_args
     from tricorn.parallel.state import init_parallel
     from tricorn.training.logging import MetricsLogger
     from tricorn.training.main import build_trainer

@@ -23,6 +23,8 @@ from tricorn.fields import (
     POSITIVE,
     PROBABILITY,
     Bound,
+    flag_of,
+    value_error,
 )
 from tricorn.presets import PRESETS  # noqa: F401 - re-exported: the CLI and tests read the presets here
 
@@ -262,7 +264,7 @@ class TrainingConfig:
     train_samples: Optional[int] = _f(
         None, "Samples to train (instead of --train-iters: iterations = samples / --global-batch-size).", bound=AT_LEAST_1
     )
-    # The lr and weight-decay schedule: megatron-core's OptimizerParamScheduler, in samples (training/lr_schedule.py).
+    # The lr and weight-decay schedule: megatron-core's OptimizerParamScheduler, in samples (lr_schedule.py).
     lr: float = _f(1e-4, "Peak learning rate.", bound=NON_NEGATIVE)
     min_lr: float = _f(0.0, "Floor of the decayed learning rate.", bound=NON_NEGATIVE)
     lr_decay_style: str = _f(
@@ -356,11 +358,43 @@ class DataConfig:
     data_cache_path: Optional[str] = _f(None, "Directory for cached sample indices.")
     tokenizer_type: str = _f(
         "NullTokenizer",
-        "Tokenizer.",
-        choices=["NullTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"],
+        "Tokenizer (docs/data.md#tokenizers).",
+        choices=[
+            "NullTokenizer",
+            "SentencePieceTokenizer",
+            "GPTSentencePieceTokenizer",
+            "Llama2Tokenizer",
+            "GPT2BPETokenizer",
+            "HuggingFaceTokenizer",
+            "TikTokenizer",
+            "Llama3Tokenizer",
+        ],
     )
-    tokenizer_model: Optional[str] = _f(None, "SentencePiece model file.")
+    tokenizer_model: Optional[str] = _f(
+        None,
+        "SentencePiece .model; Hugging Face directory (tokenizer.json); TikTokenizer JSON; Llama 3's tokenizer.model.",
+    )
     legacy_tokenizer: bool = _f(False, "Legacy Megatron tokenizers: NullTokenizer eod V (vocab V+1), Llama2Tokenizer BOS.")
+    vocab_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's vocab.json.")
+    merge_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's merges.txt.")
+    tokenizer_special_tokens: Optional[list] = _f(
+        None, "Special tokens added to a GPT2BPE/HuggingFace tokenizer, or TikTokenizer's special token list.", nargs="+"
+    )
+    tiktoken_pattern: Optional[str] = _f(None, "TikTokenizer split pattern (default v2).", choices=["v1", "v2"])
+    tiktoken_num_special_tokens: int = _f(1000, "TikTokenizer: ids below this are special tokens.", bound=AT_LEAST_1)
+    tokenizer_hf_no_include_special_tokens: bool = _f(
+        False, "HuggingFaceTokenizer/Llama3Tokenizer: no BOS (the tokenizer's own special tokens) around each document."
+    )
+    tokenizer_hf_no_use_fast: bool = _f(
+        False, "HuggingFaceTokenizer: transformers' slow tokenizer; accepted where it gives the fast one's ids, else refused."
+    )
+    trust_remote_code: bool = _f(
+        False, "Accepted for a Hugging Face directory that needs no code; one that needs code is refused (tricorn runs none)."
+    )
+    null_tokenizer_eod_id: Optional[int] = _f(
+        None, "NullTokenizer end-of-document id (default: vocab size - 1).", bound=NON_NEGATIVE
+    )
+    null_tokenizer_pad_id: int = _f(-1, "NullTokenizer pad id, left out of the loss (-1: none).", bound=Bound(lo=-1))
     eval_interval: int = _f(1000, "Evaluate on the validation split every N iterations.", bound=AT_LEAST_1)
     eval_iters: int = _f(10, "Validation iterations per evaluation.", bound=NON_NEGATIVE)
     num_workers: int = _f(0, "Data loader worker processes.", bound=NON_NEGATIVE)
@@ -471,12 +505,24 @@ def default_bucket_elements(dp: int, chunk_params: int) -> int:
     return min(max(40_000_000, 1_000_000 * max(dp, 1)), max(MIN_BUCKET_ELEMENTS, -(-chunk_params // 8)))
 
 
-# The command line and YAML reading live in tricorn/config_args.py; re-exported here because every caller
-# imports them from tricorn.config. Imported last: config_args needs the dataclasses above.
-from tricorn.config_args import (  # noqa: E402, F401
-    build_parser,
-    config_from_args,
-    default_device,
-    dump_yaml,
-    field_errors,
-)
+def field_errors(cfg: Config) -> list[str]:
+    """Every field outside its range or type, one sentence each ("--lr must be at least 0, got -0.001").
+
+    The one range check of every value, from the flags, the YAML or code: run by config_from_args before
+    any derived value is computed, and again by validate() for configs built in code.
+    """
+    errors: list[str] = []
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            problem = value_error(f, getattr(obj, f.name))
+            if problem:
+                errors.append(f"{flag_of(f)} {problem}")
+    return errors
+
+
+def dump_yaml(cfg: Config) -> str:
+    import yaml
+
+    data = {k: v for k, v in cfg.to_dict().items() if k in SECTIONS or k in ("device", "model_preset")}
+    return yaml.safe_dump(data, sort_keys=False)

@@ -325,10 +325,8 @@ REFUSED: dict[str, tuple[str, ...]] = {
     ),
     TOKENIZER: _names(
         """
-        vocab_file merge_file vocab_extra_ids metadata_path special_tokens tiktoken_pattern
-        tiktoken_num_special_tokens tokenizer_sentencepiece_legacy
-        tokenizer_sentencepiece_ignore_extra_whitespaces tokenizer_hf_no_use_fast
-        tokenizer_hf_no_include_special_tokens trust_remote_code null_tokenizer_eod_id null_tokenizer_pad_id
+        vocab_extra_ids metadata_path tokenizer_sentencepiece_legacy
+        tokenizer_sentencepiece_ignore_extra_whitespaces
         """
     ),
     CKPT: _names(

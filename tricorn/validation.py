@@ -15,13 +15,38 @@ from typing import Optional
 
 from tricorn.config import Config, field_errors
 from tricorn.data.skip_samples import skip_samples_errors
+from tricorn.lr_schedule import schedule_errors
 from tricorn.parallel.batch_schedule import validate_rampup
 from tricorn.parallel.compile import validate_compile
 from tricorn.parallel.fp8 import validate_fp8
 from tricorn.parallel.pipeline.stages import validate_pipeline
 from tricorn.parallel.recompute import validate_recompute
 from tricorn.parallel.te import validate_te
-from tricorn.training.lr_schedule import schedule_errors
+
+# What each tokenizer type reads, for the one-line error when it is missing.
+_TOKENIZER_INPUT = {
+    "HuggingFaceTokenizer": "--tokenizer-model DIR (a Hugging Face directory with tokenizer.json)",
+    "TikTokenizer": "--tokenizer-model FILE.json (a TikTokenizer vocabulary such as Tekken's)",
+    "Llama3Tokenizer": "--tokenizer-model tokenizer.model (Llama 3's original tiktoken file)",
+}
+
+
+def tokenizer_flag_errors(d) -> list[str]:
+    """The tokenizer type has the files it reads (the files themselves are checked when the tokenizer is built)."""
+    if d.tokenizer_type == "NullTokenizer":
+        return []
+    if d.tokenizer_type == "GPT2BPETokenizer":
+        missing = [f for f, v in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)) if not v]
+        return (
+            [f"--tokenizer-type GPT2BPETokenizer needs {' and '.join(missing)} (GPT-2's vocab.json, merges.txt)"]
+            if missing
+            else []
+        )
+    if not d.tokenizer_model:
+        return [
+            f"--tokenizer-type {d.tokenizer_type} needs {_TOKENIZER_INPUT.get(d.tokenizer_type, '--tokenizer-model FILE.model')}"
+        ]
+    return []
 
 
 def validate(cfg: Config) -> list[str]:
@@ -101,8 +126,8 @@ def validate(cfg: Config) -> list[str]:
         errs.append("no training data: pass --data-path PREFIX (see `tricorn preprocess`) or --mock-data")
     if d.mock_data and m.vocab_size is None:
         errs.append("--mock-data needs --vocab-size")
-    if d.tokenizer_type != "NullTokenizer" and not d.tokenizer_model and not d.mock_data:
-        errs.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model FILE.model")
+    if not d.mock_data:
+        errs += tokenizer_flag_errors(d)
     if p.hang_timeout_minutes is not None and p.hang_timeout_minutes > p.distributed_timeout_minutes:
         errs.append(
             f"--hang-timeout-minutes {p.hang_timeout_minutes:g} exceeds --distributed-timeout-minutes "

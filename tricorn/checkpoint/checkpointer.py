@@ -153,7 +153,7 @@ class Checkpointer:
             "optimizer_iteration": getattr(opt, "iteration", trainer.iteration),
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
             "lr": trainer.current_lr(),
-            # Megatron's OptimizerParamScheduler state (its keys; training/lr_schedule.py), exact at a save
+            # Megatron's OptimizerParamScheduler state (its keys; lr_schedule.py), exact at a save
             io.SCHEDULER_STATE: trainer.lr_schedule.exact().state_dict(),
             "layout": self.layout(),
             "saved_at": time.time(),

@@ -327,6 +327,21 @@ def check_config(ckpt: Path, model: ModelConfig) -> None:
         raise CheckpointError(f"{path} describes a different model: {'; '.join(diff)}; use the model flags it was saved with")
 
 
+def checkpoint_vocab_size(load: str, ckpt_step: Optional[int]) -> Optional[tuple[Path, int]]:
+    """(checkpoint directory, the vocabulary size its config.yaml records) of what --load would load, or None."""
+    import yaml
+
+    path, _ = find_checkpoint(Path(load), ckpt_step)
+    if path is None or not (path / CONFIG_FILE).is_file():
+        return None
+    try:
+        saved = (yaml.safe_load(_read_text(path / CONFIG_FILE)) or {}).get("model", {})
+    except (yaml.YAMLError, AttributeError) as e:
+        raise unreadable(path / CONFIG_FILE, e) from None
+    vocab = saved.get("vocab_size") if isinstance(saved, dict) else None
+    return (path, vocab) if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
 def unreadable(path: Path, e: Exception) -> CheckpointError:
     """The one line for a checkpoint file that cannot be parsed: what is wrong with it, and what to do."""
     why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else str(e)
@@ -356,7 +371,7 @@ META_SCHEMA: dict[str, tuple[tuple[type, ...], Optional[float]]] = {
     "loss_scaler": ((dict, type(None)), None),
     "layout": ((dict,), None),
 }
-# meta.json's lr scheduler state: Megatron's OptimizerParamScheduler.state_dict() (training/lr_schedule.py).
+# meta.json's lr scheduler state: Megatron's OptimizerParamScheduler.state_dict() (lr_schedule.py).
 # Checkpoints written before tricorn's schedule was Megatron's have none (their lr was a function of the iteration).
 SCHEDULER_STATE = "opt_param_scheduler"
 # Keys only some runs write (--skip-samples, --check-for-spiky-loss), or older checkpoints lack: checked when present.
@@ -458,7 +473,7 @@ def load_errors(cfg: Any) -> list[str]:
 
 def _check_schedule(path: Path, meta: dict, cfg: Any) -> None:
     """The flags' lr schedule against the checkpoint's, as the load will take it (Megatron's rules, before launch)."""
-    from tricorn.training.lr_schedule import schedule_from_config
+    from tricorn.lr_schedule import schedule_from_config
 
     c, t = cfg.checkpoint, cfg.training
     state = meta.get(SCHEDULER_STATE)

@@ -30,6 +30,7 @@ from torch import nn
 
 from tricorn.config import Config
 from tricorn.data.base import Batch, GlobalBatchLoader
+from tricorn.lr_schedule import schedule_from_config, steps_can_be_skipped
 from tricorn.parallel.batch_schedule import MicrobatchCalculator
 from tricorn.parallel.context import slice_batch
 from tricorn.parallel.expert import MoEMonitor
@@ -45,7 +46,6 @@ from tricorn.timers import (
 )
 from tricorn.training.faults import maybe_inject
 from tricorn.training.logging import MetricsLogger, warn
-from tricorn.training.lr_schedule import schedule_from_config, steps_can_be_skipped
 from tricorn.training.lr_step import ScheduleDriver
 from tricorn.training.memory_report import iteration_peak, write_memory_report
 from tricorn.training.spikes import SpikeGuard

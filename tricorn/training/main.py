@@ -16,7 +16,8 @@ from tricorn.launch_errors import CONFIG_ERROR, HANG_ERROR, RUN_ERROR, fail, lau
 
 
 def resolve_config(argv: Optional[list[str]]) -> Config:
-    from tricorn.config import ConfigError, config_from_args
+    from tricorn.config import ConfigError
+    from tricorn.config_args import config_from_args
     from tricorn.parallel.state import world_size_from_env
     from tricorn.validation import output_path_errors, validate
 
