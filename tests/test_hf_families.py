@@ -315,7 +315,7 @@ def test_a_preset_contradicted_by_a_flag_is_one_line(tmp_path):
 
 
 def test_use_checkpoint_args_takes_the_model_and_refuses_a_contradicting_flag(tmp_path):
-    from tricorn.config import config_from_args
+    from tricorn.config_args import config_from_args
 
     import_hf(FIXTURES / "qwen3_moe", tmp_path / "ckpt", **QUIET)
     flags = ["--load", str(tmp_path / "ckpt"), "--use-checkpoint-args", "--mock-data", "--device", "cpu"]

@@ -155,14 +155,15 @@ def import_hf(hf_dir: Path, save: Path, console=print) -> Path:
     hf = read_hf_config(hf_dir)
     m = model_config_from_hf(hf, str(hf_dir / "config.json"))
     check_new_save(save)
-    tokenizer = keep_tokenizer(hf_dir, save, m.vocab_size, console)  # SAVE/tokenizer/, and the flags that read it
-    data = (
-        DataConfig(tokenizer_type=tokenizer[0], tokenizer_model=str(Path(tokenizer[1]).resolve())) if tokenizer else DataConfig()
-    )
     plan = tensor_map(m, family_of(hf, str(hf_dir / "config.json")))
     start = time.perf_counter()
     with open_safetensors(hf_dir) as where:
         dtypes = _check_tensors(where, plan, m, hf_dir)
+        # Only now, with every tensor checked, is anything written: a refused import leaves SAVE as it was.
+        tokenizer = keep_tokenizer(hf_dir, save, m.vocab_size, console)  # SAVE/tokenizer/, and the flags that read it
+        data = DataConfig()
+        if tokenizer:
+            data = DataConfig(tokenizer_type=tokenizer[0], tokenizer_model=str(Path(tokenizer[1]).resolve()))
         by_key = {f"model.{mp.name}": mp for mp in plan}
 
         def build(key: str) -> torch.Tensor:
