@@ -2,7 +2,8 @@
 
     defaults <- preset <- YAML <- flags          (config_args.config_from_args)
     --use-checkpoint-args: the architecture fields (config.ARCHITECTURE_FIELDS) of the --load checkpoint's
-    config.yaml replace the defaults; --seq-length, --rotary-angles-dtype and --moe-aux-loss-coeff too when not given
+    config.yaml replace the defaults; --seq-length, --rotary-angles-dtype and --moe-aux-loss-coeff too when not given;
+    the vocabulary only with --mock-data (with a tokenizer, prepare_vocab takes the checkpoint's and checks it)
 
 A preset names a published model and the checkpoint is the model being trained, so a flag or YAML value that
 contradicts either on an architecture field is refused with one line naming both values, never silently
@@ -122,6 +123,8 @@ def apply_checkpoint_args(cfg: Config, explicit: dict[str, Any]) -> set[str]:
             f"--use-checkpoint-args takes the model from {path}: {lines} (drop the flag, or drop --use-checkpoint-args)"
         )
     taken = {name for name in ARCHITECTURE_FIELDS + _IF_NOT_GIVEN if name in saved and name not in explicit}
+    if not cfg.data.mock_data:  # the vocabulary: the tokenizer's, checked against the checkpoint's (data/loader.py)
+        taken.discard("vocab_size")
     for name in taken:
         setattr(cfg.model, name, saved[name])
     return taken

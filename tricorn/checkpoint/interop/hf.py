@@ -179,9 +179,8 @@ def import_hf(hf_dir: Path, save: Path, console=print) -> Path:
     seconds = time.perf_counter() - start
     console(f"imported {len(state)} tensors ({nbytes / 1e9:.2f} GB, {params_dtype}) from {hf_dir} into {final} in {seconds:.1f}s")
     tok = tokenizer_flags(tokenizer)
-    short = " ".join(["--load", str(save), "--use-checkpoint-args", *tok])
-    console(f"train from it with: {short} (and --seq-length up to {m.max_positions})")
-    console(f"or with every model flag: {' '.join(['--load', str(save), *model_flags(m), *tok])}")
+    console(f"train from it with: --load {save} {' '.join(model_flags(m) + tok)} (and --seq-length up to {m.max_positions})")
+    console(f"or take the model flags from the checkpoint: {' '.join(['--load', str(save), '--use-checkpoint-args', *tok])}")
     return final
 
 
