@@ -243,6 +243,15 @@ class ParallelConfig:
         "exits 75 (default: --distributed-timeout-minutes; fractions allowed).",
         bound=POSITIVE,
     )
+    # The flight recorder (Megatron's names): each rank's last collectives, dumped when the watchdog names a hang.
+    flight_recorder_dump_path: Optional[str] = _f(
+        None,
+        "Directory for the flight-recorder dumps (one file per rank, written when the watchdog names a hang or NCCL "
+        "times out; read them with `tricorn fr-trace DIR`); also turns the recorder's buffer on.",
+    )
+    flight_recorder_trace_buffer_size: int = _f(
+        2000, "Collectives each rank's flight recorder keeps (with --flight-recorder-dump-path).", bound=AT_LEAST_1
+    )
 
     @property
     def zero_stage_in_effect(self) -> int:
@@ -423,6 +432,11 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     tensorboard_dir: Optional[str] = _f(None, "TensorBoard event directory.")
+    # Weights & Biases (rank 0, the same scalars as TensorBoard; `pip install tricorn[wandb]`).
+    wandb_project: Optional[str] = _f(None, "Log to this Weights & Biases project as well (rank 0; needs the wandb package).")
+    wandb_exp_name: Optional[str] = _f(None, "The W&B run's name (default: wandb picks one).")
+    wandb_save_dir: Optional[str] = _f(None, "Local directory of the W&B run files (default: <--save>/wandb, else ./wandb).")
+    wandb_entity: Optional[str] = _f(None, "The W&B team or user the project belongs to (default: your default entity).")
     log_interval: int = _f(10, "Log every N iterations.", bound=AT_LEAST_1)
     log_dir: Optional[str] = _f(None, "Per-rank log files.")
     log_params_norm: bool = _f(False, "Log the parameter norm (costs an extra reduction).")
@@ -440,6 +454,40 @@ class LoggingConfig:
     )
 
 
+@dataclass
+class ProfilingConfig:
+    """Profiler windows, nsys ranges and the CUDA allocator's history (tricorn/profiling.py, docs/debugging.md)."""
+
+    profile: bool = _f(
+        False,
+        "Profile iterations --profile-step-start+1 .. --profile-step-end: NVTX ranges between cudaProfilerStart/Stop "
+        "(run under `nsys profile --capture-range=cudaProfilerApi`), or a torch-profiler trace with --use-pytorch-profiler.",
+    )
+    use_pytorch_profiler: bool = _f(
+        False, "With --profile: a torch.profiler trace per profiled rank in <--tensorboard-dir>/torch_profile."
+    )
+    profile_step_start: int = _f(
+        10, "Iterations completed before the profile window opens (Megatron's count).", bound=NON_NEGATIVE
+    )
+    profile_step_end: int = _f(12, "The last iteration profiled.", bound=AT_LEAST_1)
+    profile_ranks: Optional[list] = _f(
+        None, "Global ranks to profile (default: every rank).", nargs="+", type=int, bound=NON_NEGATIVE
+    )
+    record_shapes: bool = _f(False, "Record operator input shapes (torch profiler; emit_nvtx's shapes under nsys).")
+    pytorch_profiler_collect_shapes: bool = _f(False, "Megatron's name for --record-shapes in the torch profiler.")
+    pytorch_profiler_collect_callstack: bool = _f(False, "Record Python call stacks in the torch-profiler trace.")
+    profile_memory: bool = _f(False, "Record tensor allocations and frees in the torch-profiler trace.")
+    record_memory_history: bool = _f(
+        False,
+        "CUDA: record the caching allocator's history on the profiled ranks; dumped to --memory-snapshot-path at the "
+        "end of the profile window (else of training) and on out-of-memory.",
+    )
+    memory_snapshot_path: str = _f(
+        "snapshot.pickle",
+        "File of the allocator history (with several ranks: NAME.rankN.pickle per rank); open it at pytorch.org/memory_viz.",
+    )
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "parallel": ParallelConfig,
@@ -447,6 +495,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "profiling": ProfilingConfig,
 }
 
 
@@ -458,6 +507,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     device: Optional[str] = None
     model_preset: Optional[str] = None
     dry_run: bool = False

@@ -22,6 +22,7 @@ from tricorn.parallel.fp8 import validate_fp8
 from tricorn.parallel.pipeline.stages import validate_pipeline
 from tricorn.parallel.recompute import validate_recompute
 from tricorn.parallel.te import validate_te
+from tricorn.profiling import snapshot_path, validate_profiling
 
 # What each tokenizer type reads, for the one-line error when it is missing.
 _TOKENIZER_INPUT = {
@@ -148,6 +149,7 @@ def validate(cfg: Config) -> list[str]:
             + validate_compile(cfg)
             + validate_fp8(cfg)
             + skip_samples_errors(d.skip_samples, t.train_iters * t.global_batch_size if t.global_batch_size else 0)
+            + validate_profiling(cfg)
         )
     return errs
 
@@ -197,17 +199,21 @@ def validate_moe(cfg: Config) -> list[str]:
 def output_path_errors(cfg: Config) -> list[str]:
     """Every output path that training would fail to create or write, found before anything is created.
 
-    Directories (--save, --tensorboard-dir, --log-dir, --data-cache-path) must be directories or creatable
-    ones; --metrics-file must be a file or creatable; --load, when it exists, must be a directory. A
+    Directories (--save, --tensorboard-dir, --log-dir, --data-cache-path, --flight-recorder-dump-path,
+    --wandb-save-dir) must be directories or creatable ones; --metrics-file and, with --record-memory-history,
+    --memory-snapshot-path (rank 0's name) must be files or creatable; --load, when it exists, must be a directory. A
     probe file is created and removed in the nearest existing directory, so permissions, read-only
     mounts and pseudo file systems (/proc) are all caught the same way; nothing else is written.
     """
     c, lg = cfg.checkpoint, cfg.logging
     dirs = [("--save", c.save), ("--tensorboard-dir", lg.tensorboard_dir), ("--log-dir", lg.log_dir)]
     dirs.append(("--data-cache-path", cfg.data.data_cache_path))
+    dirs += [("--flight-recorder-dump-path", cfg.parallel.flight_recorder_dump_path), ("--wandb-save-dir", lg.wandb_save_dir)]
     errs = [e for flag, path in dirs if path for e in [_writable_error(flag, path, want_dir=True)] if e]
-    if lg.metrics_file:
-        errs += [e for e in [_writable_error("--metrics-file", lg.metrics_file, want_dir=False)] if e]
+    files = [("--metrics-file", lg.metrics_file)]
+    if cfg.profiling.record_memory_history:  # the snapshot is written on out-of-memory too: its place must work now
+        files.append(("--memory-snapshot-path", snapshot_path(cfg.profiling.memory_snapshot_path, 0, cfg.world_size)))
+    errs += [e for flag, path in files if path for e in [_writable_error(flag, path, want_dir=False)] if e]
     if c.load and os.path.exists(c.load) and not os.path.isdir(c.load):
         errs.append(f"--load {c.load} is a file; it needs the checkpoint directory (the one --save wrote)")
     return errs
