@@ -3,7 +3,8 @@
 The fixtures in tests/fixtures/megatron_ckpt/ were saved by megatron-core 0.19.2 itself
 (scripts/make_megatron_checkpoints.py): Llama-like and GPT-like models, TP1 and TP2, torch_dist and
 legacy torch (one at PP2, re-saved by megatron from a torch_dist case), the FP32 and the distributed
-optimizer, each with megatron's logits for fixed token ids.
+optimizer, and a Qwen-style attention (--qk-layernorm --add-qkv-bias --kv-channels 24, TP2), each with
+megatron's logits for fixed token ids.
 megatron is not imported here.
 """
 
@@ -30,9 +31,17 @@ from tricorn.config_args import config_from_args
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_ckpt"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
-# Optimizer state tricorn maps to parameters: torch_dist's FP32 optimizer and fully_reshardable distributed
-# optimizer (stored per parameter), the legacy FP32 optimizer (indexed in Megatron's parameter order).
-WITH_OPTIM = ("llama_tp1_dist", "llama_tp2_dist_fully", "gpt_tp1_torch")
+# Every fixture saved with its optimizer state: torch_dist's FP32 optimizer and fully_reshardable distributed
+# optimizer (stored per parameter), dp_reshardable and legacy distrib_optim.pt (the distributed optimizer's
+# buffers), the legacy FP32 optimizer (indexed in Megatron's parameter order). llama_pp2_torch is model only.
+WITH_OPTIM = (
+    "llama_tp1_dist",
+    "llama_tp2_dist_fully",
+    "gpt_tp1_torch",
+    "gpt_tp2_dist_dpresh",
+    "llama_tp2_torch_distopt",
+    "qwen_tp2_dist",
+)
 # The issue's bound for fp32 logits, relative to the largest logit: megatron and tricorn run the same math
 # through different kernels (baddbmm softmax vs SDPA, its fused vs our layouts of the same GEMMs).
 LOGITS_RTOL = 1e-5
@@ -65,7 +74,14 @@ def test_fixtures_cover_the_issue():
         seen |= {("pp", a["pipeline_model_parallel_size"])}
         seen |= {("distopt", a["use_distributed_optimizer"]), ("tied", not a["untie_embeddings_and_output_weights"])}
         seen |= {("gqa", a["group_query_attention"]), ("rope", a["position_embedding_type"] == "rope")}
-    want = {(k, v) for k in ("swiglu", "distopt", "tied", "gqa", "rope") for v in (True, False)}
+        # issue 40: per-head q/k norms, QKV biases without the others, a head dim that is not hidden / heads
+        seen |= {("qk_layernorm", a["qk_layernorm"]), ("qkv_bias_only", a["add_qkv_bias"] and not a["add_bias_linear"])}
+        seen |= {("kv_channels", a["kv_channels"] * a["num_attention_heads"] != a["hidden_size"])}
+    want = {
+        (k, v)
+        for k in ("swiglu", "distopt", "tied", "gqa", "rope", "qk_layernorm", "qkv_bias_only", "kv_channels")
+        for v in (True, False)
+    }
     assert want | {("tp", 1), ("tp", 2), ("pp", 2), ("fmt", "torch"), ("fmt", "torch_dist")} <= seen
     total = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
     assert total < 8 * 2**20, f"fixtures grew to {total / 2**20:.1f} MiB"
@@ -136,6 +152,18 @@ def test_legacy_fp32_optimizer_state_follows_megatrons_parameter_order(tmp_path)
     assert torch.equal(ours["optim.norm.bias.exp_avg"], state[27]["exp_avg"])  # the last parameter
 
 
+def test_distributed_optimizer_buffers_import_as_the_per_parameter_state(tmp_path):
+    """The same Llama run at TP2, saved by Megatron as legacy distrib_optim.pt buffers and as torch_dist
+    fully_reshardable per-parameter state, imports to the same tensors bit for bit (masters, moments, step)."""
+    buffers = sorted(imported(tmp_path, "llama_tp2_torch_distopt").glob("iter_*"))[0]
+    per_param = sorted(imported(tmp_path, "llama_tp2_dist_fully").glob("iter_*"))[0]
+    ours, theirs = read_tensors(buffers), read_tensors(per_param)
+    assert ours.keys() == theirs.keys() and any(k.endswith(".exp_avg_sq") for k in ours)
+    for key, value in ours.items():
+        assert torch.equal(value, theirs[key]), key
+    assert read_meta(buffers)["optimizer_step"] == read_meta(per_param)["optimizer_step"] == 1.0
+
+
 def _one_line_error(capsys, argv: list[str]) -> str:
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -189,6 +217,8 @@ def test_bf16_weights_keep_their_dtype(tmp_path):
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
+    from tricorn.checkpoint.interop.megatron_pickle import safe_load
+
     def imp(src: Path, *flags: str) -> str:
         out = tmp_path / f"out-{src.name}"
         err = _one_line_error(capsys, ["import-megatron", str(src), str(out), *flags])
@@ -227,15 +257,20 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     err = imp(_legacy_variant(tmp_path, "evil", evil), "--no-load-optim")
     assert "refers to print, which tricorn does not load" in err, err  # torch names builtins without their module
     assert "this ran" not in capsys.readouterr().out
-    assert "dp_reshardable" in imp(FIXTURES / "gpt_tp2_dist_dpresh")
-    assert "distrib_optim.pt" in imp(FIXTURES / "llama_tp2_torch_distopt")
+    pre2024 = tmp_path / "pre2024"
+    shutil.copytree(FIXTURES / "llama_tp2_torch_distopt", pre2024)
+    for file in (pre2024 / "iter_0000001").glob("mp_rank_*/distrib_optim.pt"):
+        state = safe_load(file, str(file))
+        del state["buckets_coalesced"]  # Megatron's layout before Feb 2024
+        torch.save(state, file)
+    assert "pre-2024 layout" in imp(pre2024) and "--ckpt-convert-update-legacy-dist-opt-format" in imp(pre2024)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     err = _one_line_error(capsys, ["import-megatron", str(FIXTURES / "gpt_tp1_torch"), str(tmp_path / "full"), "--no-load-optim"])
     assert "exists and is not empty" in err
 
 
-@pytest.mark.parametrize("case", ["llama_tp2_dist_fully", "gpt_tp1_torch"])
+@pytest.mark.parametrize("case", ["llama_tp2_dist_fully", "gpt_tp1_torch", "qwen_tp2_dist"])
 def test_export_then_import_is_bitwise(tmp_path, case):
     first = sorted(imported(tmp_path, case).glob("iter_*"))[0]
     model = read_tensors(first, "model.")
@@ -268,7 +303,8 @@ def test_without_the_optimizer_state_training_goes_on_from_megatrons_iteration(t
     """Megatron's default distributed-optimizer format (dp_reshardable) imported with --no-load-optim: the weights,
     iteration and data position come along, Adam starts fresh (Megatron's own --no-load-optim), and a run from it
     trains iterations 2-3 after Megatron's iteration 1."""
-    out = imported(tmp_path, "gpt_tp2_dist_dpresh")
+    out = tmp_path / "gpt_tp2_dist_dpresh"
+    import_megatron(FIXTURES / "gpt_tp2_dist_dpresh", out, load_optim=False, **QUIET)
     meta = read_meta(sorted(out.glob("iter_*"))[0])
     assert (meta["iteration"], meta["consumed_train_samples"], meta["optimizer_state"]) == (1, 2, False), meta
     assert not meta["weights_only"] and meta["optimizer_step"] == 0

@@ -51,9 +51,9 @@ def test_every_option_of_megatrons_parser_is_classified_once():
 
 
 def test_a_flag_tricorns_parser_defines_is_implemented_with_no_table_edit(monkeypatch):
-    option = next(o for o in megatron_options() if o.flag == "--qk-layernorm")
+    option = next(o for o in megatron_options() if o.flag == "--qk-l2-norm")
     assert status(option) == REFUSED
-    monkeypatch.setattr(megatron_flags, "tricorn_flags", lambda: frozenset({"--qk-layernorm"}))
+    monkeypatch.setattr(megatron_flags, "tricorn_flags", lambda: frozenset({"--qk-l2-norm"}))
     assert status(option) == IMPLEMENTED
 
 
@@ -81,13 +81,13 @@ def test_issue_38s_megatron_command_line_trains_after_one_line_of_no_ops(tmp_pat
 
 
 def test_a_math_flag_tricorn_lacks_is_one_error_line_naming_it(tmp_path):
-    run = run_layout([*MEGATRON_LINE, "--fp16-lm-cross-entropy", "--qk-layernorm"], 1, tmp_path, check=False)
+    run = run_layout([*MEGATRON_LINE, "--fp16-lm-cross-entropy", "--qk-l2-norm"], 1, tmp_path, check=False)
     errors = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 2 and len(errors) == 1, run.stderr
     assert errors[0].startswith(
         "tricorn: error: Megatron flags tricorn does not implement: --fp16-lm-cross-entropy (changes the loss"
     )
-    assert "--qk-layernorm (changes the model" in errors[0]
+    assert "--qk-l2-norm (changes the model" in errors[0]
 
 
 def _parse(*flags: str):
@@ -97,8 +97,6 @@ def _parse(*flags: str):
 @pytest.mark.parametrize(
     "flags, refused",
     [
-        (["--kv-channels", "16"], None),  # hidden / heads: tricorn's head dimension
-        (["--kv-channels", "32"], "--kv-channels=32"),
         (["--distributed-backend", "gloo"], None),  # --device cpu
         (["--distributed-backend", "nccl"], "--distributed-backend=nccl (the process-group backend"),
         (["--ckpt-format", "torch_dist"], None),
@@ -108,7 +106,6 @@ def _parse(*flags: str):
         (["--rotary-percent", "1.0"], None),  # Megatron's default: what tricorn does
         (["--rotary-percent", "0.5"], "--rotary-percent=0.5"),
         (["--optimizer", "sgd"], "--optimizer=sgd"),
-        (["--calculate-per-token-loss"], None),  # tricorn's loss is per token of the global batch
         (["--batch-size", "4"], "--batch-size=4 (use --micro-batch-size)"),
     ],
 )
@@ -143,12 +140,11 @@ def test_megatron_yaml_lists_the_math_a_checkpoints_args_ask_for():
     args = {"hidden_size": 64, "num_attention_heads": 4, "add_bias_linear": True, "add_qkv_bias": True}
     args.update(kv_channels=16, ckpt_format="torch", rerun_mode="validate_results", exit_signal="Signals.SIGTERM")
     assert not_reproduced(args) == []  # the format and the rerun machine say how Megatron ran, not what it trained
-    # --eod-mask-loss is tricorn's (implemented), but with it Megatron's per-microbatch loss mean is not tricorn's
+    # --eod-mask-loss is tricorn's (implemented); --fp16-lm-cross-entropy is a loss flag tricorn lacks
     args.update(eod_mask_loss=True, calculate_per_token_loss=False, optimizer="sgd", tokenizer_type="BertWordPieceLowerCase")
     args.update(fp16_lm_cross_entropy=True)
-    listed = not_reproduced(args)
+    listed = not_reproduced(args)  # --calculate-per-token-loss is tricorn's flag too, either way
     assert listed == [
-        "--calculate-per-token-loss=False",
         "--optimizer=sgd",
         "--fp16-lm-cross-entropy=True",
         "--tokenizer-type=BertWordPieceLowerCase",

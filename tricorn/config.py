@@ -50,6 +50,12 @@ class ModelConfig:
     num_attention_heads: int = _f(4, "Query heads a.", bound=AT_LEAST_1)
     num_query_groups: Optional[int] = _f(None, "Key/value heads for GQA/MQA (needs --group-query-attention).", bound=AT_LEAST_1)
     group_query_attention: bool = _f(False, "Use --num-query-groups key/value heads.")
+    kv_channels: Optional[int] = _f(
+        None, "Head dimension of queries, keys and values (default: --hidden-size / --num-attention-heads).", bound=AT_LEAST_1
+    )
+    qk_layernorm: bool = _f(
+        False, "Per-head norm (--normalization) on queries and keys after their projection, before RoPE (Megatron's; Qwen3)."
+    )
     seq_length: int = _f(64, "Tokens per sample.", bound=AT_LEAST_1)
     max_position_embeddings: Optional[int] = _f(None, "Longest position (default: --seq-length).", bound=AT_LEAST_1)
     position_embedding_type: str = _f("rope", "Position encoding.", choices=["rope", "learned_absolute"])
@@ -70,6 +76,9 @@ class ModelConfig:
     norm_epsilon: float = _f(1e-5, "Epsilon of the norms.", bound=POSITIVE)
     swiglu: bool = _f(False, "SwiGLU MLP instead of GeLU.")
     disable_bias_linear: bool = _f(False, "No biases in the linear layers.")
+    add_qkv_bias: bool = _f(
+        False, "Biases on the query, key and value projections (with --disable-bias-linear: only there, as Qwen2)."
+    )
     untie_embeddings_and_output_weights: bool = _f(False, "Separate output head instead of reusing the embedding.")
     hidden_dropout: float = _f(0.0, "Dropout on the residual branches.", bound=PROBABILITY)
     attention_dropout: float = _f(0.0, "Dropout on the attention probabilities.", bound=PROBABILITY)
@@ -127,7 +136,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the fused QKV projection has a bias (every linear's, or --add-qkv-bias alone)."""
+        return self.add_qkv_bias or not self.disable_bias_linear
 
     @property
     def ffn_size(self) -> int:
@@ -150,6 +164,43 @@ class ModelConfig:
         assert self.vocab_size is not None, "vocab_size must be resolved before the model is built"
         multiple = self.make_vocab_size_divisible_by * tp
         return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+# The fields that fix a model's weights and math (what a checkpoint's config.yaml pins down). --use-checkpoint-args
+# takes them from the checkpoint, a preset sets its own, and a flag or YAML value contradicting either is refused
+# (config_args.py). seq_length, dropout, init and recompute are the run's choices, not the model's.
+ARCHITECTURE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "group_query_attention",
+    "kv_channels",
+    "qk_layernorm",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "rotary_base",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor",
+    "rope_scaling_original_max_position_embeddings",
+    "normalization",
+    "norm_epsilon",
+    "swiglu",
+    "disable_bias_linear",
+    "add_qkv_bias",
+    "untie_embeddings_and_output_weights",
+    "vocab_size",
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_layer_freq",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_score_function",
+    "moe_router_enable_expert_bias",
+)
 
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather")  # --cp-comm-type: tricorn/parallel/context/ has one module each
@@ -205,6 +256,15 @@ class ParallelConfig:
         "A rank whose progress stops this long (dead, stopped, or stuck outside collectives) is named and every rank "
         "exits 75 (default: --distributed-timeout-minutes; fractions allowed).",
         bound=POSITIVE,
+    )
+    # The flight recorder (Megatron's names): each rank's last collectives, dumped when the watchdog names a hang.
+    flight_recorder_dump_path: Optional[str] = _f(
+        None,
+        "Directory for the flight-recorder dumps (one file per rank, written when the watchdog names a hang or NCCL "
+        "times out; read them with `tricorn fr-trace DIR`); also turns the recorder's buffer on.",
+    )
+    flight_recorder_trace_buffer_size: int = _f(
+        2000, "Collectives each rank's flight recorder keeps (with --flight-recorder-dump-path).", bound=AT_LEAST_1
     )
 
     @property
@@ -272,6 +332,11 @@ class TrainingConfig:
     adam_beta2: float = _f(0.999, "Adam beta2.", bound=PROBABILITY)
     adam_eps: float = _f(1e-8, "Adam epsilon.", bound=POSITIVE)
     clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0 disables).", bound=NON_NEGATIVE)
+    calculate_per_token_loss: bool = _f(
+        False,
+        "Normalise the loss by the global batch's valid tokens (default: each microbatch by its own, averaged over "
+        "the microbatches, as Megatron).",
+    )
     seed: int = _f(1234, "Seed of initialisation, data order and dropout.", bound=Bound(lo=0, hi=2**32 - 1))
     bf16: bool = _f(False, "bf16 parameters and compute, fp32 master weights.")
     fp16: bool = _f(False, "fp16 parameters and compute with dynamic loss scaling.")
@@ -382,11 +447,19 @@ class CheckpointConfig:
         True, "Check every checkpoint file against its checksum before loading.", negate="--no-verify-checkpoint"
     )
     keep_last_n_checkpoints: Optional[int] = _f(None, "Delete older checkpoints once a newer one is complete.", bound=AT_LEAST_1)
+    use_checkpoint_args: bool = _f(
+        False, "Take the model flags from the --load checkpoint's config (a flag that contradicts it is an error)."
+    )
 
 
 @dataclass
 class LoggingConfig:
     tensorboard_dir: Optional[str] = _f(None, "TensorBoard event directory.")
+    # Weights & Biases (rank 0, the same scalars as TensorBoard; `pip install tricorn[wandb]`).
+    wandb_project: Optional[str] = _f(None, "Log to this Weights & Biases project as well (rank 0; needs the wandb package).")
+    wandb_exp_name: Optional[str] = _f(None, "The W&B run's name (default: wandb picks one).")
+    wandb_save_dir: Optional[str] = _f(None, "Local directory of the W&B run files (default: <--save>/wandb, else ./wandb).")
+    wandb_entity: Optional[str] = _f(None, "The W&B team or user the project belongs to (default: your default entity).")
     log_interval: int = _f(10, "Log every N iterations.", bound=AT_LEAST_1)
     log_dir: Optional[str] = _f(None, "Per-rank log files.")
     log_params_norm: bool = _f(False, "Log the parameter norm (costs an extra reduction).")
@@ -404,6 +477,40 @@ class LoggingConfig:
     )
 
 
+@dataclass
+class ProfilingConfig:
+    """Profiler windows, nsys ranges and the CUDA allocator's history (tricorn/profiling.py, docs/debugging.md)."""
+
+    profile: bool = _f(
+        False,
+        "Profile iterations --profile-step-start+1 .. --profile-step-end: NVTX ranges between cudaProfilerStart/Stop "
+        "(run under `nsys profile --capture-range=cudaProfilerApi`), or a torch-profiler trace with --use-pytorch-profiler.",
+    )
+    use_pytorch_profiler: bool = _f(
+        False, "With --profile: a torch.profiler trace per profiled rank in <--tensorboard-dir>/torch_profile."
+    )
+    profile_step_start: int = _f(
+        10, "Iterations completed before the profile window opens (Megatron's count).", bound=NON_NEGATIVE
+    )
+    profile_step_end: int = _f(12, "The last iteration profiled.", bound=AT_LEAST_1)
+    profile_ranks: Optional[list] = _f(
+        None, "Global ranks to profile (default: every rank).", nargs="+", type=int, bound=NON_NEGATIVE
+    )
+    record_shapes: bool = _f(False, "Record operator input shapes (torch profiler; emit_nvtx's shapes under nsys).")
+    pytorch_profiler_collect_shapes: bool = _f(False, "Megatron's name for --record-shapes in the torch profiler.")
+    pytorch_profiler_collect_callstack: bool = _f(False, "Record Python call stacks in the torch-profiler trace.")
+    profile_memory: bool = _f(False, "Record tensor allocations and frees in the torch-profiler trace.")
+    record_memory_history: bool = _f(
+        False,
+        "CUDA: record the caching allocator's history on the profiled ranks; dumped to --memory-snapshot-path at the "
+        "end of the profile window (else of training) and on out-of-memory.",
+    )
+    memory_snapshot_path: str = _f(
+        "snapshot.pickle",
+        "File of the allocator history (with several ranks: NAME.rankN.pickle per rank); open it at pytorch.org/memory_viz.",
+    )
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "parallel": ParallelConfig,
@@ -411,6 +518,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "profiling": ProfilingConfig,
 }
 
 
@@ -422,6 +530,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     device: Optional[str] = None
     model_preset: Optional[str] = None
     dry_run: bool = False

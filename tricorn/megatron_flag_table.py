@@ -83,21 +83,17 @@ NO_OPS: dict[str, tuple[str, ...]] = {
     ),
     LOGGING: _names(
         """
-        profile profile_step_start profile_step_end use_pytorch_profiler pytorch_profiler_collect_shapes
-        pytorch_profiler_collect_callstack pytorch_profiler_collect_chakra profile_ranks
-        record_memory_history memory_snapshot_path record_shapes nvtx_ranges log_throughput log_progress
+        pytorch_profiler_collect_chakra nvtx_ranges log_throughput log_progress
         timing_log_option tensorboard_log_interval tensorboard_queue_size log_timers_to_tensorboard
         log_loss_scale_to_tensorboard log_validation_ppl_to_tensorboard log_memory_to_tensorboard
         log_memory_interval log_device_memory_used log_num_zeros_in_grad log_max_attention_logit
-        barrier_with_L1_time log_world_size_to_tensorboard wandb_project wandb_exp_name wandb_save_dir
-        wandb_entity logging_level log_energy moe_routing_trace_path moe_routing_trace_max_training_iters
+        barrier_with_L1_time log_world_size_to_tensorboard logging_level log_energy moe_routing_trace_path moe_routing_trace_max_training_iters
         moe_routing_trace_capture_logits moe_routing_trace_capture_hidden_states
         moe_routing_trace_dump_weights moe_per_layer_logging config_logger_dir log_straggler
         straggler_ctrlr_port straggler_minmax_count disable_straggler_on_startup
         run_workload_inspector_server enable_one_logger one_logger_project one_logger_run_name
         one_logger_async app_tag_run_name app_tag_run_version check_weight_hash_across_dp_replicas_interval
-        gpu_sniff_test_interval train_sync_interval dump_param_to_param_group_map flight_recorder_dump_path
-        flight_recorder_trace_buffer_size flight_recorder_dump_on_timeout
+        gpu_sniff_test_interval train_sync_interval dump_param_to_param_group_map flight_recorder_dump_on_timeout
         flight_recorder_include_stack_trace flight_recorder_include_only_active
         flight_recorder_extra_dump_on_exec check_for_large_grads result_rejected_tracker_filename
         """
@@ -270,9 +266,9 @@ DEPRECATED = "deprecated in Megatron; use its replacement (docs/megatron-flags.m
 REFUSED: dict[str, tuple[str, ...]] = {
     ARCH: _names(
         """
-        kv_channels fp32_residual_connection apply_residual_connection_post_layernorm
-        layernorm_zero_centered_gamma add_qkv_bias glu_linear_offset activation_func_clamp_value
-        rotary_interleaved qk_layernorm qk_l2_norm qk_clip attention_output_gate softmax_type
+        fp32_residual_connection apply_residual_connection_post_layernorm
+        layernorm_zero_centered_gamma glu_linear_offset activation_func_clamp_value
+        rotary_interleaved qk_l2_norm qk_clip attention_output_gate softmax_type
         multi_latent_attention experimental_attention_variant use_mup apply_query_key_layer_scaling
         mtp_num_layers mrope_section is_hybrid_model encoder_num_layers decoder_num_layers
         window_attn_skip_freq rotary_percent rotary_seq_len_interpolation_factor no_rope_freq
@@ -293,7 +289,7 @@ REFUSED: dict[str, tuple[str, ...]] = {
         """
     ),
     INIT: _names("init_method_xavier_uniform embedding_init_method_std data_parallel_random_init"),
-    LOSS: _names("calculate_per_token_loss fp16_lm_cross_entropy logits_load_dir perform_rl_step"),
+    LOSS: _names("fp16_lm_cross_entropy logits_load_dir perform_rl_step"),
     DATA: _names(
         """
         dataloader_inter_document_masking
@@ -334,7 +330,7 @@ REFUSED: dict[str, tuple[str, ...]] = {
         save_params_interval save_activations_interval save_tokens_per_expert_interval save_wgrads_interval
         save_dgrads_interval save_retain_interval non_persistent_save_interval non_persistent_ckpt_type
         non_persistent_global_ckpt_dir non_persistent_local_ckpt_dir non_persistent_local_ckpt_algo
-        pretrained_checkpoint use_checkpoint_args use_mp_args_from_checkpoint_args
+        pretrained_checkpoint use_mp_args_from_checkpoint_args
         exit_on_missing_checkpoint ckpt_format ckpt_convert_format ckpt_convert_save
         ckpt_convert_update_legacy_dist_opt_format logits_save_dir
         """
@@ -381,14 +377,12 @@ WHY: dict[str, str] = {
     "model_parallel_size": "use --tensor-model-parallel-size",
     "use_rotary_position_embeddings": "use --position-embedding-type rope",
     "pretrained_checkpoint": "use --load with --finetune",
-    "use_checkpoint_args": "the args of a Megatron checkpoint are import-megatron's megatron.yaml: pass it as --config",
     "iterations_to_skip": "changes the training samples; tricorn leaves samples out with --skip-samples",
     "step_batch_size_schedule": "changes the global batch over training; tricorn's ramp is --rampup-batch-size",
     "exit_on_missing_checkpoint": "tricorn starts fresh when --load holds no checkpoint, and says so",
     "save_retain_interval": "tricorn prunes with --keep-last-n-checkpoints and keeps no checkpoint apart from it",
     "override_ckpt_iteration": "changes the data position; tricorn resumes at the checkpoint's (--ckpt-step picks one)",
     "optimizer_offload_fraction": "tricorn's --optimizer-cpu-offload offloads all of the optimizer state",
-    "calculate_per_token_loss": "changes the loss normalisation: tricorn divides by the valid tokens of the whole global batch",
 }
 
 # ---------------------------------------------------------------- the value each refused flag may have
@@ -400,10 +394,6 @@ Fine = Union[tuple, Callable[[Any, Ctx], bool]]
 def _padded(ctx: Ctx) -> int:
     multiple = ctx.get("make_vocab_size_divisible_by", 128) * ctx.get("tensor_model_parallel_size", 1)
     return -(-ctx["vocab_size"] // multiple) * multiple
-
-
-def _head_dim(value: Any, ctx: Ctx) -> bool:
-    return value is None or value * ctx["num_attention_heads"] == ctx["hidden_size"]
 
 
 def _backend(value: Any, ctx: Ctx) -> bool:
@@ -427,12 +417,6 @@ def _same(name: str) -> Callable[[Any, Ctx], bool]:
 # Values that are what tricorn does, where Megatron's default alone is not all of them. A predicate gets the
 # value and the run. Megatron's default is always fine (a flag given at its default changes nothing).
 FINE: dict[str, Fine] = {
-    "kv_channels": _head_dim,  # hidden / heads: tricorn's head dimension
-    # Megatron gives QKV a bias whenever the linear layers have one (its saved args say add_qkv_bias then)
-    "add_qkv_bias": lambda value, ctx: not value or ctx.get("add_bias_linear", not ctx.get("disable_bias_linear")),
-    # tricorn divides the loss by the valid tokens of the whole global batch: Megatron's per-token loss. Its
-    # default (each microbatch's mean, averaged) is the same number while every token counts.
-    "calculate_per_token_loss": lambda value, ctx: bool(value) or not ctx.get("eod_mask_loss"),
     "padded_vocab_size": lambda value, ctx: value is None or ctx.get("vocab_size") is None or value == _padded(ctx),
     "encoder_num_layers": _same("num_layers"),
     "encoder_seq_length": _same("seq_length"),
@@ -454,9 +438,6 @@ FINE: dict[str, Fine] = {
 
 # What FINE's predicates accept, for docs/megatron-flags.md.
 FINE_TEXT: dict[str, str] = {
-    "add_qkv_bias": "given without `--disable-bias-linear` (the QKV bias the linear layers have anyway)",
-    "kv_channels": "hidden size / heads",
-    "calculate_per_token_loss": "given; not given while every token counts (no --eod-mask-loss)",
     "padded_vocab_size": "tricorn's padding of --vocab-size",
     "encoder_num_layers": "`--num-layers`",
     "encoder_seq_length": "`--seq-length`",

@@ -23,6 +23,7 @@ from tricorn.parallel.fp8 import validate_fp8
 from tricorn.parallel.pipeline.stages import validate_pipeline
 from tricorn.parallel.recompute import validate_recompute
 from tricorn.parallel.te import validate_te
+from tricorn.profiling import snapshot_path, validate_profiling
 
 # What each tokenizer type reads, for the one-line error when it is missing.
 _TOKENIZER_INPUT = {
@@ -60,8 +61,11 @@ def validate(cfg: Config) -> list[str]:
     # The split of the model over TP comes first: it is what a user asking for a layout most needs to see.
     if m.num_attention_heads % tp != 0:
         errs.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
-    if m.hidden_size % m.num_attention_heads != 0:
-        errs.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}")
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads != 0:
+        errs.append(
+            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
+            "give the head dimension with --kv-channels"
+        )
     if m.group_query_attention and not m.num_query_groups:
         errs.append("--group-query-attention needs --num-query-groups")
     if m.num_query_groups and not m.group_query_attention:
@@ -73,7 +77,8 @@ def validate(cfg: Config) -> list[str]:
     if m.ffn_size % tp != 0:
         errs.append(f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}")
     if m.position_embedding_type == "rope" and m.head_dim % 2 != 0:
-        errs.append(f"RoPE needs an even head dimension, got hidden/heads = {m.head_dim}")
+        what = "--kv-channels" if m.kv_channels else "hidden/heads"
+        errs.append(f"RoPE needs an even head dimension, got {what} = {m.head_dim}")
     if m.use_rope_scaling and m.position_embedding_type != "rope":
         errs.append("--use-rope-scaling needs --position-embedding-type rope")
     if m.use_rope_scaling and not m.rope_scaling_high_freq_factor > m.rope_scaling_low_freq_factor > 0:
@@ -146,6 +151,7 @@ def validate(cfg: Config) -> list[str]:
             + validate_fp8(cfg)
             + validate_attention_mask(cfg)
             + skip_samples_errors(d.skip_samples, t.train_iters * t.global_batch_size if t.global_batch_size else 0)
+            + validate_profiling(cfg)
         )
     return errs
 
@@ -195,17 +201,21 @@ def validate_moe(cfg: Config) -> list[str]:
 def output_path_errors(cfg: Config) -> list[str]:
     """Every output path that training would fail to create or write, found before anything is created.
 
-    Directories (--save, --tensorboard-dir, --log-dir, --data-cache-path) must be directories or creatable
-    ones; --metrics-file must be a file or creatable; --load, when it exists, must be a directory. A
+    Directories (--save, --tensorboard-dir, --log-dir, --data-cache-path, --flight-recorder-dump-path,
+    --wandb-save-dir) must be directories or creatable ones; --metrics-file and, with --record-memory-history,
+    --memory-snapshot-path (rank 0's name) must be files or creatable; --load, when it exists, must be a directory. A
     probe file is created and removed in the nearest existing directory, so permissions, read-only
     mounts and pseudo file systems (/proc) are all caught the same way; nothing else is written.
     """
     c, lg = cfg.checkpoint, cfg.logging
     dirs = [("--save", c.save), ("--tensorboard-dir", lg.tensorboard_dir), ("--log-dir", lg.log_dir)]
     dirs.append(("--data-cache-path", cfg.data.data_cache_path))
+    dirs += [("--flight-recorder-dump-path", cfg.parallel.flight_recorder_dump_path), ("--wandb-save-dir", lg.wandb_save_dir)]
     errs = [e for flag, path in dirs if path for e in [_writable_error(flag, path, want_dir=True)] if e]
-    if lg.metrics_file:
-        errs += [e for e in [_writable_error("--metrics-file", lg.metrics_file, want_dir=False)] if e]
+    files = [("--metrics-file", lg.metrics_file)]
+    if cfg.profiling.record_memory_history:  # the snapshot is written on out-of-memory too: its place must work now
+        files.append(("--memory-snapshot-path", snapshot_path(cfg.profiling.memory_snapshot_path, 0, cfg.world_size)))
+    errs += [e for flag, path in files if path for e in [_writable_error(flag, path, want_dir=False)] if e]
     if c.load and os.path.exists(c.load) and not os.path.isdir(c.load):
         errs.append(f"--load {c.load} is a file; it needs the checkpoint directory (the one --save wrote)")
     return errs

@@ -31,7 +31,6 @@ REFUSED_ARCH: dict[str, tuple[Any, str]] = {
     "multi_latent_attention": (False, "multi-latent attention (--multi-latent-attention)"),
     "is_hybrid_model": (False, "a hybrid Mamba model"),
     "hybrid_override_pattern": (None, "a hybrid Mamba model (--hybrid-override-pattern)"),
-    "qk_layernorm": (False, "QK layernorm (--qk-layernorm)"),
     "apply_layernorm_1p": (False, "zero-centred norms (--apply-layernorm-1p)"),
     "rotary_interleaved": (False, "interleaved RoPE (--rotary-interleaved)"),
     "squared_relu": (False, "squared ReLU (--squared-relu)"),
@@ -60,10 +59,8 @@ def model_config_from_args(args: dict, where: str) -> ModelConfig:
     if _arg(args, "normalization", "LayerNorm") not in ("RMSNorm", "LayerNorm"):
         refused.append(f"--normalization {args['normalization']}")
     h, heads = args["hidden_size"], args["num_attention_heads"]
-    if _arg(args, "kv_channels") not in (None, h // heads):
-        refused.append(f"--kv-channels {args['kv_channels']} != hidden / heads = {h // heads}")
-    if _arg(args, "add_qkv_bias") and not _arg(args, "add_bias_linear", True):
-        refused.append("a QKV bias without the other biases (--add-qkv-bias)")
+    if _arg(args, "kv_channels") is None and h % heads:
+        refused.append(f"--hidden-size {h} not divisible by --num-attention-heads {heads} without --kv-channels")
     window = _window(args)
     if window is not None and not (window[1] == 0 and (window[0] >= 1 or window[0] == -1)):
         refused.append(f"--window-size {','.join(map(str, window))} (tricorn runs LEFT >= 1 or -1 with RIGHT 0)")
@@ -78,6 +75,8 @@ def model_config_from_args(args: dict, where: str) -> ModelConfig:
         num_attention_heads=heads,
         num_query_groups=args["num_query_groups"] if gqa else None,
         group_query_attention=gqa,
+        kv_channels=args["kv_channels"] if _arg(args, "kv_channels") not in (None, h // heads) else None,
+        qk_layernorm=bool(args.get("qk_layernorm")),
         seq_length=args["seq_length"],
         max_position_embeddings=args.get("max_position_embeddings") or args["seq_length"],
         position_embedding_type="rope" if rope else "learned_absolute",
@@ -90,6 +89,7 @@ def model_config_from_args(args: dict, where: str) -> ModelConfig:
         norm_epsilon=float(args.get("norm_epsilon") or 1e-5),
         swiglu=bool(args.get("swiglu")),
         disable_bias_linear=not args.get("add_bias_linear", True),
+        add_qkv_bias=bool(args.get("add_qkv_bias")),
         untie_embeddings_and_output_weights=bool(args.get("untie_embeddings_and_output_weights")),
         hidden_dropout=float(args.get("hidden_dropout", 0.1)),
         attention_dropout=float(args.get("attention_dropout", 0.1)),
@@ -104,27 +104,49 @@ def _window(args: dict) -> Optional[tuple[int, ...]]:
     return None if not window else tuple(int(x) for x in window)
 
 
-def data_fields(args: dict) -> dict[str, Any]:
-    """DataConfig fields of the run: the document flags (megatron-core's GPTDataset reads them). With RoPE,
-    --reset-position-ids is left out: Megatron 0.19 builds RoPE from the sequence length, so the run trained without
-    it (unsupported_args lists it), while tricorn would apply it."""
-    rope = args.get("position_embedding_type") == "rope"
-    out = {name: True for name in ("reset_attention_mask", "eod_mask_loss") if args.get(name)}
-    if args.get("reset_position_ids") and not rope:
-        out["reset_position_ids"] = True
-    return out
-
-
 def unsupported_args(args: dict) -> list[str]:
     """Megatron args whose values tricorn would not reproduce (the import goes on; the config lists them): the
     classification of every Megatron flag that pretrain_gpt.py also applies (tricorn/megatron_flags.py), and
-    --reset-position-ids on a RoPE model (Megatron 0.19's RoPE ignored it; tricorn's would not: data_fields)."""
+    --reset-position-ids on a RoPE model (Megatron 0.19's RoPE ignored it; tricorn's would not: run_fields)."""
     from tricorn.megatron_flags import not_reproduced
 
     out = not_reproduced(args)
     if args.get("reset_position_ids") and args.get("position_embedding_type") == "rope":
         out.append("--reset-position-ids=True")
     return out
+
+
+# What the run trains on (Megatron's data and evaluation args), carried into megatron.yaml in the section of
+# tricorn's field of the same name. Those tricorn lacks are listed as not reproduced by unsupported_args when their
+# value changes the math (tricorn/megatron_flags.py: --eod-mask-loss, the reset flags, ...).
+RUN_ARGS = (
+    "mock_data", "data_path", "train_data_path", "valid_data_path", "test_data_path", "split", "tokenizer_type",
+    "tokenizer_model", "legacy_tokenizer", "vocab_file", "merge_file", "null_tokenizer_eod_id", "null_tokenizer_pad_id",
+    "eod_mask_loss", "reset_position_ids", "reset_attention_mask", "eval_iters", "eval_interval",
+)  # fmt: skip
+
+
+def run_fields(args: dict) -> dict[str, dict[str, Any]]:
+    """{section: {field: value}} of the run's data and evaluation args that tricorn has fields for (those set, and
+    not to tricorn's default)."""
+    import dataclasses
+
+    from tricorn.config import Config
+
+    cfg = Config()
+    sections = {name: {f.name for f in dataclasses.fields(getattr(cfg, name))} for name in ("data", "model", "training")}
+    carried: dict[str, dict[str, Any]] = {}
+    for name in RUN_ARGS:
+        value = args.get(name)
+        section = next((s for s, names in sections.items() if name in names), None)
+        if value is None or value is False or section is None or value == getattr(getattr(cfg, section), name):
+            continue
+        carried.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
+    if args.get("position_embedding_type") == "rope":
+        # Megatron 0.19 builds RoPE from the sequence length: its run trained without reset positions, which
+        # tricorn's RoPE would apply. Left out, and listed (unsupported_args).
+        carried.get("data", {}).pop("reset_position_ids", None)
+    return carried
 
 
 def training_fields(args: dict, scheduler: dict) -> dict[str, Any]:
@@ -141,6 +163,7 @@ def training_fields(args: dict, scheduler: dict) -> dict[str, Any]:
         "adam_beta2": float(args.get("adam_beta2", 0.999)),
         "adam_eps": float(args.get("adam_eps", 1e-8)),
         "clip_grad": float(args.get("clip_grad", 1.0)),
+        "calculate_per_token_loss": bool(args.get("calculate_per_token_loss")),
         "seed": int(args.get("seed", 1234)),
         "bf16": bool(args.get("bf16")),
         "fp16": bool(args.get("fp16")),
@@ -177,13 +200,17 @@ class Entry:
 
 
 _LAYER = (
-    # tricorn suffix, torch_dist suffix, legacy suffix, TP dim, needs bias, is fc1
+    # tricorn suffix, torch_dist suffix, legacy suffix, TP dim, when present (see _present), is fc1
     ("attention_norm.weight", "self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight", None, False, False),
     ("attention_norm.bias", "self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias", None, "norm", False),
     ("attention.wqkv.weight", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.weight", 0, False, False),
-    ("attention.wqkv.bias", "self_attention.linear_qkv.bias", "self_attention.linear_qkv.bias", 0, True, False),
+    ("attention.wqkv.bias", "self_attention.linear_qkv.bias", "self_attention.linear_qkv.bias", 0, "qkv", False),
     ("attention.wo.weight", "self_attention.linear_proj.weight", "self_attention.linear_proj.weight", 1, False, False),
     ("attention.wo.bias", "self_attention.linear_proj.bias", "self_attention.linear_proj.bias", None, True, False),
+    ("attention.q_layernorm.weight", "self_attention.q_layernorm.weight", "self_attention.q_layernorm.weight", None, "qk", False),
+    ("attention.q_layernorm.bias", "self_attention.q_layernorm.bias", "self_attention.q_layernorm.bias", None, "qk_norm", False),
+    ("attention.k_layernorm.weight", "self_attention.k_layernorm.weight", "self_attention.k_layernorm.weight", None, "qk", False),
+    ("attention.k_layernorm.bias", "self_attention.k_layernorm.bias", "self_attention.k_layernorm.bias", None, "qk_norm", False),
     ("mlp_norm.weight", "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight", None, False, False),
     ("mlp_norm.bias", "mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias", None, "norm", False),
     ("mlp.w1.weight", "mlp.linear_fc1.weight", "mlp.linear_fc1.weight", 0, False, True),
@@ -193,6 +220,20 @@ _LAYER = (
 )
 
 
+def _present(when: Any, m: ModelConfig) -> bool:
+    """Whether a layer tensor exists: always (False), a LayerNorm's bias ("norm"), a linear bias (True), the QKV bias
+    ("qkv": also --add-qkv-bias), the per-head q/k norms ("qk": --qk-layernorm; "qk_norm": their LayerNorm bias)."""
+    layer_norm = m.normalization == "LayerNorm"
+    return {
+        False: True,
+        "norm": layer_norm,
+        True: not m.disable_bias_linear,
+        "qkv": m.qkv_bias,
+        "qk": m.qk_layernorm,
+        "qk_norm": m.qk_layernorm and layer_norm,
+    }[when]
+
+
 def tensor_map(m: ModelConfig) -> list[Entry]:
     layer_norm = m.normalization == "LayerNorm"
     out = [Entry("tok_embeddings.weight", "embedding.word_embeddings.weight", "embedding.word_embeddings.weight", None, 0)]
@@ -200,8 +241,8 @@ def tensor_map(m: ModelConfig) -> list[Entry]:
         key = "embedding.position_embeddings.weight"
         out.append(Entry("pos_embeddings.weight", key, key, None, None))
     for i in range(m.num_layers):
-        for ours, dist, legacy, tp_dim, bias, fc1 in _LAYER:
-            if (bias == "norm" and not layer_norm) or (bias is True and m.disable_bias_linear):
+        for ours, dist, legacy, tp_dim, when, fc1 in _LAYER:
+            if not _present(when, m):
                 continue
             kind = "gate_up" if fc1 and m.swiglu else "copy"
             out.append(Entry(f"layers.{i}.{ours}", f"decoder.layers.{dist}", f"decoder.layers.{i}.{legacy}", i, tp_dim, kind))
@@ -230,6 +271,8 @@ def tricorn_shape(e: Entry, m: ModelConfig) -> tuple[int, ...]:
         "mlp.w1.bias": (fc1,),
         "mlp.w2.weight": (h, ffn),
     }
+    if "q_layernorm." in suffix or "k_layernorm." in suffix:
+        return (m.head_dim,)
     return shapes.get(suffix, (h,))
 
 
