@@ -182,8 +182,6 @@ def test_rope_theta_is_read_where_transformers_4_and_5_put_it():
         ("qwen3_moe", dict(norm_topk_prob=True, decoder_sparse_step=2), "decoder_sparse_step 2"),
         ("qwen3_moe", dict(norm_topk_prob=True, mlp_only_layers=[1]), "mlp_only_layers [1]"),
         ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise 0.1"),
-        ("mistral", dict(sliding_window=64), "sliding_window 64 below max_position_embeddings 128"),
-        ("mistral", {}, "sliding_window 4096"),  # transformers' default window, at more positions than it
         ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1), "on 1 of 2 layers"),
         (
             "qwen3",
@@ -196,8 +194,6 @@ def test_rope_theta_is_read_where_transformers_4_and_5_put_it():
 )
 def test_keys_that_change_the_model_are_refused_by_name(family, keys, named):
     config = _config(family, **keys)
-    if family == "mistral" and not keys:
-        config["max_position_embeddings"] = 8192
     with pytest.raises(ConvertError, match="does not implement") as e:
         model_config_from_hf(config)
     assert named in str(e.value) and "\n" not in str(e.value), str(e.value)
@@ -215,6 +211,28 @@ def test_keys_that_do_not_limit_or_do_not_matter_are_accepted():
     for config in cases:
         model_config_from_hf(config)
     assert model_config_from_hf(cases[-1]).moe_aux_loss_coeff == 0.02
+
+
+def test_mistral_sliding_window_is_window_size_n_minus_1(tmp_path):
+    """transformers' sliding_window N (query i sees keys i - N + 1 .. i) imports as --window-size N-1,0: tricorn's
+    logits are transformers' at 40 positions with an 8-key window (which masks most of every row), and export-hf
+    writes sliding_window 8 back. A window at least as long as the sequences is dropped, as it masks nothing."""
+    assert model_config_from_hf(_config("mistral", sliding_window=64)).window_size == [63, 0]
+    assert model_config_from_hf(_config("mistral", max_position_embeddings=8192)).window_size == [4095, 0]  # the default
+    assert model_config_from_hf(_config("mistral", sliding_window=128)).window_size is None
+    torch.manual_seed(0)
+    hf = transformers.MistralForCausalLM(transformers.MistralConfig(**{**SMALL, "sliding_window": 8})).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    ckpt = import_hf(tmp_path / "hf", tmp_path / "ckpt", **QUIET)
+    assert read_model_config(ckpt).window_size == [7, 0]
+    tok = tokens()
+    with torch.no_grad():
+        windowed = hf(tok).logits
+        assert_logits_close(tricorn_model(ckpt)(tok), windowed)
+        hf.config.sliding_window = None  # the same weights without the window: far from it, so the window was applied
+        assert (hf(tok).logits - windowed).abs().max() > 1e-2
+    export_hf(tmp_path / "ckpt", tmp_path / "out", **QUIET)  # a window and no QKV bias: Mistral by default
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 8
 
 
 def test_family_defaults_are_transformers():
@@ -283,6 +301,13 @@ def test_export_refuses_what_the_family_cannot_hold(tmp_path, capsys):
     import_hf(FIXTURES / "qwen3", tmp_path / "ckpt", **QUIET)
     argv = ["export-hf", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out"), "--architecture"]
     _refused(capsys, argv + ["LlamaForCausalLM"], tmp_path, "as LlamaForCausalLM: it has --qk-layernorm")
+    # Llama has no sliding window: a windowed model is written as Mistral or Mixtral, or refused
+    from tricorn.checkpoint.interop.hf_config import export_family
+
+    windowed = ModelConfig(swiglu=True, disable_bias_linear=True, window_size=[7, 0], vocab_size=100)
+    assert export_family(windowed).architecture == "MistralForCausalLM"
+    with pytest.raises(ConvertError, match="--window-size 7,0"):
+        export_family(windowed, "LlamaForCausalLM")
 
 
 # ---------------------------------------------------------------- presets and where the model flags come from

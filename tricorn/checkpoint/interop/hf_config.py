@@ -3,7 +3,7 @@
 Families (the `architectures` entry of config.json):
 
     LlamaForCausalLM     Llama 2, 3, 3.1 (llama3 RoPE scaling)
-    MistralForCausalLM   Mistral (a sliding window only where it never limits attention: see below)
+    MistralForCausalLM   Mistral: its sliding window                          -> --window-size (see below)
     Qwen2ForCausalLM     Qwen2, Qwen2.5: biases on q, k and v              -> --add-qkv-bias
     Qwen3ForCausalLM     Qwen3: per-head RMSNorm on q and k, head_dim       -> --qk-layernorm --kv-channels
     MixtralForCausalLM   Mixtral: softmax top-k router, experts w1/w3/w2    -> --num-experts
@@ -19,9 +19,12 @@ and any other key is refused, naming it, so that a key added by a later transfor
 silent default. A key absent from config.json takes transformers' default for its family (FAMILY_DEFAULTS,
 checked against transformers' config classes by tests/test_hf_families.py).
 
-Sliding windows: transformers masks key j for query i when i - j >= window. A window of at least
-max_position_embeddings never masks anything at the longest sequence the model runs, so it is accepted and
-dropped; a smaller one is refused (tricorn's attention is full causal).
+Sliding windows: transformers masks key j for query i when i - j >= window, so `sliding_window: N` lets a query
+see N keys, itself included: Megatron's and tricorn's `--window-size N-1,0` (keys i - (N - 1) .. i;
+tricorn/model/masking.py), which import-hf sets and export-hf writes back as N (Mistral and Mixtral, whose every
+layer has the window). A window of at least max_position_embeddings never masks anything at the longest sequence
+the model runs, so it is dropped. A window on some layers only (Qwen2/3's max_window_layers or layer_types) is
+refused: tricorn's window is the same on every layer.
 
 Pure functions, no files, no collectives.
 """
@@ -267,8 +270,9 @@ def _rope(hf: dict, defaults: dict) -> tuple[dict, list[str]]:
     return rope, problems
 
 
-def _window(hf: dict, family: Family, defaults: dict, layers: int, max_pos: int) -> Optional[str]:
-    """The problem with the sliding window, if one limits attention (module docstring)."""
+def _window(hf: dict, family: Family, defaults: dict, layers: int, max_pos: int) -> tuple[Optional[int], Optional[str]]:
+    """(transformers' sliding_window when it limits attention on every layer, the problem with the window if one
+    limits some layers only) (module docstring)."""
     window = hf.get("sliding_window", defaults["sliding_window"])
     if not hf.get("use_sliding_window", defaults["use_sliding_window"]):
         window = None  # Qwen2/3: the window exists only with use_sliding_window
@@ -281,10 +285,12 @@ def _window(hf: dict, family: Family, defaults: dict, layers: int, max_pos: int)
         first = hf.get("max_window_layers") or 0 if family.model_type.startswith("qwen") else 0
         windowed = list(range(first, layers))
     if not windowed or window is None or window >= max_pos:
-        return None
-    return (
+        return None, None
+    if len(windowed) == layers:
+        return int(window), None
+    return None, (
         f"sliding_window {window} below max_position_embeddings {max_pos} on {len(windowed)} of {layers} layers "
-        "(tricorn's attention is full causal; a window of at least the sequence length changes nothing)"
+        "(tricorn's --window-size holds on every layer; a window of at least the sequence length changes nothing)"
     )
 
 
@@ -318,8 +324,8 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     max_pos = value("max_position_embeddings")
     rope, problems = _rope(hf, defaults)
     problems += _problems(hf, family, defaults)
-    window = _window(hf, family, defaults, layers, max_pos)
-    problems += [window] if window else []
+    window, problem = _window(hf, family, defaults, layers, max_pos)
+    problems += [problem] if problem else []
     if problems:
         raise ConvertError(f"{where}: {family.architecture} with what tricorn does not implement: {'; '.join(problems)}")
     m = ModelConfig(
@@ -346,6 +352,7 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         attention_dropout=float(value("attention_dropout")),
         init_method_std=float(value("initializer_range")),
         vocab_size=hf["vocab_size"],
+        window_size=None if window is None else [window - 1, 0],  # N keys, the query's own included
     )
     if rope["rope_type"] == "llama3":
         m.use_rope_scaling = True
@@ -377,6 +384,11 @@ def _experts(hf: dict, family: Family, defaults: dict, where: str) -> int:
 # ---------------------------------------------------------------- export
 
 
+# The families whose config's sliding_window applies to every layer (what --window-size is).
+WINDOWED_FAMILIES = ("mistral", "mixtral")
+WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM")
+
+
 def export_family(m: ModelConfig, architecture: Optional[str] = None) -> Family:
     """The family export-hf writes: `architecture` when given, else the one the model's features name."""
     if architecture is None:
@@ -384,6 +396,8 @@ def export_family(m: ModelConfig, architecture: Optional[str] = None) -> Family:
             architecture = "Qwen3MoeForCausalLM" if m.qk_layernorm else "MixtralForCausalLM"
         elif m.qk_layernorm:
             architecture = "Qwen3ForCausalLM"
+        elif m.attention_window is not None and not m.add_qkv_bias:
+            architecture = "MistralForCausalLM"  # Llama's math with a sliding window
         else:
             architecture = "Qwen2ForCausalLM" if m.add_qkv_bias else "LlamaForCausalLM"
     if architecture not in FAMILIES:
@@ -406,6 +420,8 @@ def export_family(m: ModelConfig, architecture: Optional[str] = None) -> Family:
         problems.append("a mixture of experts" if m.num_experts else "a dense MLP")
     if m.num_experts is not None:
         problems += _moe_export_problems(m)
+    if m.attention_window is not None and family.model_type not in WINDOWED_FAMILIES:
+        problems.append(f"--window-size {m.attention_window},0 (write it as {' or '.join(WINDOWED_ARCHITECTURES)})")
     if problems:
         raise ConvertError(f"export-hf cannot write this checkpoint as {architecture}: it has {', '.join(problems)}")
     return family
@@ -459,7 +475,8 @@ def hf_config_from_model(
         "vocab_size": m.vocab_size,
         "attention_dropout": m.attention_dropout,
         "initializer_range": m.init_method_std,
-        "sliding_window": None,
+        # transformers' window counts the query itself: --window-size N-1,0 is sliding_window N (module docstring)
+        "sliding_window": None if m.attention_window is None else m.attention_window + 1,
         "use_cache": True,
         # transformers >= 4.56 reads "dtype", older versions and other tools "torch_dtype".
         "dtype": _HF_DTYPE_NAMES[dtype],
