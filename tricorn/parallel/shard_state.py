@@ -16,8 +16,10 @@ them, and rounds the results back: moments to nearest (fp16 with their new per-p
 stochastically. With every state fp32 the step runs on the storage itself, exactly as before.
 
 Memory per owned element: master (4 as a copy, 0 when it is the parameters) + moments (8 in fp32, 4 in bf16 or
-fp16), plus offload staging buffers; transient during a precision-aware step, fp32 work copies of the bucket's
-states (at most 12 bytes per owned element of one bucket) and the rounding's chunked temporaries. No collectives.
+fp16), plus offload staging buffers; transient during the step, fp32 copies of 16-bit gradients (4 bytes per owned
+element, all buckets: the norm and the clip read them before any bucket steps) and, in a precision-aware step,
+fp32 work copies of one bucket's states (at most 12 bytes per owned element of that bucket) and the rounding's
+chunked temporaries. No collectives.
 """
 
 from __future__ import annotations
@@ -101,8 +103,9 @@ class ShardState:
         self.exp_avg = _buffer(shard.numel(), dtypes.exp_avg, home, offload, pin)
         self.exp_avg_sq = _buffer(shard.numel(), dtypes.exp_avg_sq, home, offload, pin)
         self.precision_aware = not dtypes.all_fp32
-        needs_grad_copy = offload or bucket.grad_dtype != torch.float32
-        self.grad_staging = _buffer(bucket.shard_size, torch.float32, home, offload, pin) if needs_grad_copy else None
+        # Offloaded: a persistent host buffer the gradients are copied into. 16-bit gradients on the device are widened
+        # into a buffer that lives for the step only (nothing of it stays through forward and backward).
+        self.grad_staging = _buffer(bucket.shard_size, torch.float32, home, offload, pin) if offload else None
         self.param_staging = _buffer(shard.numel(), shard.dtype, home, offload, pin) if pin else None
         # (param, lo, hi, first element of the param): shard range [lo, hi) holds p.view(-1)[first : first + hi - lo].
         self.entries: list[tuple[nn.Parameter, int, int, int]] = []
@@ -141,9 +144,9 @@ class ShardState:
     def grads_for_step(self) -> torch.Tensor:
         """The reduced owned gradients as fp32 beside the master (copied when offloaded or reduced in bf16)."""
         grads = self.bucket.shard_grad()
-        if self.grad_staging is None:
-            return grads
-        return self.grad_staging.copy_(grads, non_blocking=is_pinned(self.grad_staging))
+        if self.grad_staging is not None:
+            return self.grad_staging.copy_(grads, non_blocking=is_pinned(self.grad_staging))
+        return grads if grads.dtype == torch.float32 else grads.float()
 
     # ------------------------------------------------------------ the step
 
