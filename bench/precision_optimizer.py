@@ -17,7 +17,10 @@ bound is checked against (no first-order argument covers it: the figure is the m
 
 Not a test: tests/test_precision_optimizer.py checks a 20-iteration version in CI.
 
-    .venv/bin/python bench/precision_optimizer.py [--iters 50] [--data demo_out]
+It also times one optimizer step over 4M owned elements: fp32 states against the precision-aware path (widen,
+step, round back), for the cost of the rounding.
+
+    .venv/bin/python bench/precision_optimizer.py [--iters 50] [--data demo_out] [--no-train]
 """
 
 from __future__ import annotations
@@ -61,6 +64,54 @@ RUNS = {
 }
 
 
+def time_step(numel: int, rounds: int) -> dict[str, float]:
+    """Median seconds of one AdamW step over `numel` owned elements of one parameter: fp32 states on the storage
+    itself, against the precision-aware path's widen, step and round back (bf16 moments; and a bf16 master with
+    stochastic rounding), as shard_state.py runs them."""
+    import statistics
+    import time
+
+    from torch.optim.adamw import adamw
+
+    from tricorn.parallel.precision import from_storage, keyed_ranges, stochastic_store, to_storage
+
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn(numel, generator=gen) * 1e-3
+    states = {"master": torch.randn(numel, generator=gen) * 0.02, "m": torch.zeros(numel), "v": torch.zeros(numel)}
+    low = {
+        "master": states["master"].bfloat16(),
+        "m": torch.zeros(numel, dtype=torch.bfloat16),
+        "v": torch.zeros(numel, dtype=torch.bfloat16),
+    }
+    ranges = keyed_ranges("w", torch.zeros(numel), 0, numel, 0)
+    step = torch.tensor(0.0)
+
+    def fp32() -> None:
+        adamw([states["master"]], [grad], [states["m"]], [states["v"]], [], [step], fused=True, amsgrad=False,
+              beta1=0.9, beta2=0.999, lr=1e-4, weight_decay=0.1, eps=1e-8, maximize=False)  # fmt: skip
+
+    def aware(sr_master: bool) -> None:
+        work = {k: torch.empty(numel) for k in ("m", "v")}
+        for k in work:
+            from_storage(low[k], work[k])
+        master = low["master"].float() if sr_master else states["master"]
+        adamw([master], [grad], [work["m"]], [work["v"]], [], [step], fused=True, amsgrad=False,
+              beta1=0.9, beta2=0.999, lr=1e-4, weight_decay=0.1, eps=1e-8, maximize=False)  # fmt: skip
+        for k in work:
+            to_storage(work[k], low[k])
+        if sr_master:
+            stochastic_store(master, low["master"], ranges, seed=1, step=int(step))
+
+    runs = {"fp32 states": fp32, "bf16 moments": lambda: aware(False), "bf16 moments + bf16 master": lambda: aware(True)}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):  # the variants take turns, so machine noise hits them alike
+        for name, run in runs.items():
+            start = time.process_time()
+            run()
+            times[name].append(time.process_time() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def first_loss(workdir: Path) -> float:
     import json
 
@@ -73,9 +124,18 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--data", default="demo_out", help="scripts/demo.py's output directory (built if missing)")
     ap.add_argument("--only", nargs="*", help="names of RUNS to train (default: all)")
+    ap.add_argument("--step-elements", type=int, default=1 << 22, help="owned elements of the timed optimizer step")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-train", action="store_true", help="only time the step")
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    t = time_step(args.step_elements, args.rounds)
+    print(f"one AdamW step over {args.step_elements:,} owned elements (CPU process time, median of {args.rounds}):")
+    for name, seconds in t.items():
+        print(f"  {name:28s} {seconds * 1e3:8.1f} ms  x{seconds / t['fp32 states']:.2f}")
+    if args.no_train:
+        return 0
     out = (ROOT / args.data).resolve()
     prefix = bench_fp8.demo_data(out)
     results: dict[str, tuple[float, float, float]] = {}

@@ -24,7 +24,15 @@ from harness import BASE_FLAGS, FP32_RTOL, assert_close, reference, run_layout, 
 
 from tricorn.config import config_from_args
 from tricorn.model.init import SHARD_ATTR, ShardInfo
-from tricorn.parallel.precision import from_storage, keyed_ranges, moment_scale, stochastic_round, stochastic_store, to_storage
+from tricorn.parallel.precision import (
+    from_storage,
+    keyed_ranges,
+    moment_scale,
+    stochastic_round,
+    stochastic_round_bf16,
+    stochastic_store,
+    to_storage,
+)
 from tricorn.planning.memory import estimate_config
 
 PA = ["--use-precision-aware-optimizer"]
@@ -55,6 +63,11 @@ def test_stochastic_rounding_picks_a_neighbour_without_bias(dtype):
     assert torch.all((rounded.mean(1) - x).abs() <= spacing / n + 1e-30)
     exact = x.to(dtype).float()  # values the dtype holds are kept whatever u says
     assert torch.equal(stochastic_round(exact, dtype, torch.rand(exact.shape, generator=gen)).float(), exact)
+    if dtype == torch.bfloat16:  # the masters' integer path: over all 2^16 values of its bits, exactly unbiased
+        bits = torch.arange(1 << 16, dtype=torch.int64) << 16  # stochastic_round_bf16 reads the high 16 bits
+        fast = stochastic_round_bf16(x[:, None].expand(-1, 1 << 16).contiguous(), bits[None, :].expand(x.numel(), -1))
+        assert torch.equal(fast.double().mean(1), x.double()), "the carry happens for exactly the cut part's share of 2^16"
+        assert torch.equal(stochastic_round_bf16(exact, bits[: exact.numel()]).float(), exact)
 
 
 def test_nearest_rounding_stalls_where_stochastic_rounding_keeps_the_updates():

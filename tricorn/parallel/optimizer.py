@@ -58,7 +58,7 @@ from tricorn.parallel.grads import clip_grads, global_grad_norm, reduce_sequence
 from tricorn.parallel.loss_scaler import build_loss_scaler
 from tricorn.parallel.precision import StateDtypes, moment_scale, to_storage
 from tricorn.parallel.shard_state import ParamShard, ShardState, StepContext
-from tricorn.parallel.state import ParallelState, flatten
+from tricorn.parallel.state import ParallelState
 from tricorn.parallel.zero3 import ParamSharder, unit_params, zero3_units
 
 INJECT_INF_AT_ITER = "TRICORN_TEST_INJECT_INF_AT_ITER"
@@ -115,8 +115,7 @@ class Optimizer:
         # fp16 moments: per parameter, an upper bound of its largest moment, the same on every rank of the stage
         # (precision.py); their all-reduce runs over TP x DP x CP, the ranks that split one stage's parameters.
         self.moment_bounds = {m: torch.zeros(len(self.params), device=state.device) for m in self.dtypes.scaled}
-        fp8_weights = cfg.training.fp8_param_gather and cfg.model.transformer_impl == "local"
-        self.stage_group = flatten(state.mesh, ("dp", "cp", "tp")) if self.moment_bounds or fp8_weights else None
+        self.stage_group = getattr(state, "stage_group", None)  # created by init_parallel when either needs it
         # --fp8-param-gather: the FP8 linears' weights become FP8 bytes, cast from the masters (fp8_params.py)
         self.fp8_params = fp8_params_for(cfg, self.data_parallel, self.shards, self.stage_group)
         if self.fp8_params is not None:
