@@ -33,7 +33,7 @@ iteration N's last microbatch, before any reduction. Tests use it; nothing else 
 
 Contract with the trainer (kept by every variant):
     zero_grad(); microbatch(is_last, chunk=c) context around each backward of model chunk c;
-    scale_loss(loss); finish_grad_sync(); step() -> StepInfo; set_lr(lr); state_dict()/load_state_dict().
+    scale_loss(loss); finish_grad_sync(); step() -> StepInfo; set_lr(lr, weight_decay); state_dict()/load_state_dict().
 For checkpoints: gathered_params(write_back) around reading/writing parameters,
 sharded_param_state() for the per-parameter optimizer state in global coordinates.
 """
@@ -272,9 +272,12 @@ class Optimizer:
         for dp in self.data_parallel:
             dp.close()
 
-    def set_lr(self, lr: float) -> None:
+    def set_lr(self, lr: Union[float, torch.Tensor], weight_decay: Optional[float] = None) -> None:
+        """The next step's lr (a float, or a 0-dim device tensor: training/lr_step.py) and the weight decay of the
+        decayed parameters (None: --weight-decay); biases and norms have none."""
+        wd = self.cfg.training.weight_decay if weight_decay is None else weight_decay
         for s in self.shards:
-            s.set_lr(lr)
+            s.set_lr(lr, wd)
 
     # ------------------------------------------------------------ parameters for other readers
 

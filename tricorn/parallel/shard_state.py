@@ -25,7 +25,7 @@ chunked temporaries. No collectives.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -119,10 +119,12 @@ class ShardState:
         self.fused = "fused" in kind
         self.kind = kind
         self.lr, self.betas, self.eps = t.lr, (t.adam_beta1, t.adam_beta2), t.adam_eps
-        # AdamW's two parameter groups, as Megatron's: no weight decay on biases and norms (1-D parameters).
+        # AdamW's two parameter groups, as Megatron's: no weight decay on biases and norms (1-D parameters). Each
+        # group's weight decay is its wd_mult (Megatron's) times the scheduled one (set_lr).
         decay = [i for i, (p, *_) in enumerate(self.entries) if p.ndim > 1]
         no_decay = [i for i, (p, *_) in enumerate(self.entries) if p.ndim <= 1]
-        self.groups = [(g, wd) for g, wd in ((decay, t.weight_decay), (no_decay, 0.0)) if g]
+        self.groups = [(g, mult) for g, mult in ((decay, 1.0), (no_decay, 0.0)) if g]
+        self.weight_decay = t.weight_decay
         step_device = home if self.fused else torch.device("cpu")
         self.steps = [torch.tensor(0.0, dtype=torch.float32, device=step_device) for _ in self.entries]
         self.fp8 = False  # FP8 primary weights (fp8_params.py): the optimizer casts the masters into the parameters
@@ -169,7 +171,7 @@ class ShardState:
         else:
             found_inf = None
         views = [(master[lo:hi], grads[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]) for _, lo, hi, _ in self.entries]
-        for members, weight_decay in self.groups:
+        for members, wd_mult in self.groups:
             adamw(
                 *([views[i][k] for i in members] for k in range(4)),
                 [],
@@ -179,7 +181,7 @@ class ShardState:
                 beta1=self.betas[0],
                 beta2=self.betas[1],
                 lr=self.lr,
-                weight_decay=weight_decay,
+                weight_decay=self.weight_decay * wd_mult,
                 eps=self.eps,
                 maximize=False,
                 **self.kind,
@@ -228,8 +230,12 @@ class ShardState:
         if not self.alias:
             self.master.copy_(self.bucket.shard_param())
 
-    def set_lr(self, lr: float) -> None:
-        self.lr = lr
+    def set_lr(self, lr: Union[float, torch.Tensor], weight_decay: float) -> None:
+        """A tensor lr (a run whose steps can be skipped) goes to the fused kernel as it is; the offloaded step (on
+        the host) and the foreach fallback (no tensor lr without capturable) read it, as they read found_inf."""
+        if isinstance(lr, torch.Tensor) and (self.offloaded or not self.fused):
+            lr = float(lr)
+        self.lr, self.weight_decay = lr, weight_decay
 
     def _steps(self) -> list[torch.Tensor]:
         return self.steps
