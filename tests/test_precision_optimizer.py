@@ -207,7 +207,7 @@ def _switch_dtypes_on_load(ckpt: Path, full, tmp_path: Path) -> None:
     """The DP-2 checkpoint (bf16 master, bf16 and fp16 moments) in one process with an fp32 master and fp32
     moments: one line names the switches, and iteration 4's loss - computed from the loaded weights, before any
     step in the new dtypes - is the saved run's to the fp32 reorder bound."""
-    fp32 = with_flag(BASE_FLAGS, "--train-iters", "4") + ["--bf16", "--load", str(ckpt), "--ckpt-step", "3"]
+    fp32 = BASE_FLAGS + ["--bf16", "--load", str(ckpt), "--ckpt-step", "3", "--exit-interval", "4"]  # the same schedule
     run = run_layout(fp32, 1, tmp_path / "switched")
     lines = [line for line in run.stdout.splitlines() if "converted on load" in line]
     assert len(lines) == 1 and "master bf16 -> fp32" in lines[0] and "exp_avg_sq fp16 -> fp32" in lines[0], lines
