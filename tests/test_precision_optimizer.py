@@ -214,8 +214,22 @@ def _switch_dtypes_on_load(ckpt: Path, full, tmp_path: Path) -> None:
     assert_close(run.losses, full.losses[3:4], FP32_RTOL, "lm loss after the switch")
 
 
+def test_fp8_weights_sit_in_buckets_of_their_own():
+    """As Megatron's one buffer per dtype: FP8 weights and 16-bit parameters never share a bucket, neither cuts the
+    other's buckets short, and the buckets start their reductions in the order their last gradient arrives."""
+    from tricorn.parallel.data_parallel import plan_param_buckets
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 40, 5, 40, 5, 40, 10)]  # embedding, w, norm, w, ...
+    for i in (1, 3, 5):
+        params[i].fp8_primary = True
+    buckets = plan_param_buckets(params, bucket_size=50, alone=lambda p: False)
+    index = {id(p): i for i, p in enumerate(params)}
+    # The 16-bit bucket holds the embedding, whose gradient arrives last: it starts last.
+    assert [[index[id(p)] for p in b] for b in buckets] == [[5, 3], [1], [6, 4, 2, 0]]
+
+
 def test_fp8_gathered_weights_are_one_process_casts():
-    """ZeRO-1 and ZeRO-3 at DP 2: each FP8 weight after two steps is, byte for byte, one process's cast of the
+    """ZeRO-1, 2 and 3 at DP 2: each FP8 weight after two steps is, byte for byte, one process's cast of the
     whole master, with its scale (tests/workers/fp8_params.py)."""
     assert "ok" in run_script(Path(__file__).parent / "workers" / "fp8_params.py", 2)
 

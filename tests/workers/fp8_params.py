@@ -1,4 +1,4 @@
-"""Worker: FP8 primary weights (--fp8-param-gather) on WORLD_SIZE gloo ranks (DP = WORLD_SIZE), ZeRO-1 and ZeRO-3.
+"""Worker: FP8 primary weights (--fp8-param-gather) on WORLD_SIZE gloo ranks (DP = WORLD_SIZE), ZeRO-1, 2 and 3.
 
 After two training iterations, for every FP8 weight: the FP8 bytes each rank holds after the gather (ZeRO-1: the
 full weight; ZeRO-3: inside gathered_params) equal, byte for byte, the cast one process makes of the whole fp32
@@ -64,7 +64,7 @@ def check(extra: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    for extra in (["--use-distributed-optimizer"], ["--zero-stage", "3"]):
+    for extra in (["--use-distributed-optimizer"], ["--zero-stage", "2"], ["--zero-stage", "3"]):
         check(extra)
     if dist.get_rank() == 0:
         print("ok")
