@@ -430,7 +430,14 @@ def zero_transient_grad_bytes(
         return 0.0
     g_bytes = bytes_per_param(layout.precision, layout.grads_16bit)[1]
     if layout.zero_stage >= 3:
-        return 2 * layer_params_per_rank(model, layout.tp) * g_bytes
+        layer = layer_params_per_rank(model, layout.tp)
+        if layout.fp8_param_gather:
+            # Two buckets per unit, its FP8 weights' and the rest's (norms, biases): a layer's FP8 bucket completes
+            # and starts reducing before its rest does, so the one reduction in flight is the previous unit's
+            # small rest bucket while the next layer's two fill: one layer and two rests.
+            rest = layer - fp8_primary_elements(model, layout, 1)
+            return (layer + 2 * rest) * g_bytes
+        return 2 * layer * g_bytes
     buckets = zero2_buckets(model, layout, stage, layers)
     pairs = [a + b for a, b in zip(buckets, buckets[1:])] or buckets
     return (pairs[0] if at_backward_start else max(pairs)) * g_bytes
