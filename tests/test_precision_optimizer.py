@@ -112,6 +112,10 @@ def test_stochastic_rounding_does_not_depend_on_the_layout(dim):
     other = torch.empty_like(whole)
     stochastic_store(full.reshape(-1), other, keyed_ranges("layers.1.w", torch.nn.Parameter(full), 0, full.numel(), 0), 7, 3)
     assert not torch.equal(other, whole), "another tensor (or step, or seed) draws other numbers"
+    padded = torch.empty(full.numel() + 4, dtype=torch.bfloat16)  # elements no global place covers: to nearest
+    values = torch.cat([full.reshape(-1), torch.full((4,), 1 + 2.0**-8 + 2.0**-10)])  # nearest: up; truncated: down
+    stochastic_store(values, padded, keyed_ranges("layers.0.w", torch.nn.Parameter(full), 0, full.numel(), 0), 7, 3)
+    assert torch.equal(padded[-4:], values[-4:].bfloat16()) and torch.equal(padded[:-4], whole)
 
 
 def test_fp16_moments_scale_by_a_power_of_two_exactly():

@@ -124,7 +124,7 @@ def random_bits(index: torch.Tensor, key: int) -> torch.Tensor:
     hash of index XOR key. For one element, as the key varies over steps (mix_seed, a full 64-bit
     mix), index XOR key is uniform and multiplying by an odd constant mod 2^32 is a bijection, so the bits are
     uniform: each rounding is unbiased. Across the elements of one step they form a low-discrepancy sequence,
-    which only evens the rounding out. Four integer operations, so the rounding costs little beside AdamW."""
+    which only evens the rounding out. Three integer operations per element."""
     return ((index ^ (key & _M32)) * _MUL) & _M32
 
 
@@ -209,8 +209,9 @@ def stochastic_store(work: torch.Tensor, store: torch.Tensor, ranges: list[Keyed
     bf16 = store.dtype == torch.bfloat16
     for a in range(0, work.numel(), ROUNDING_CHUNK):
         b = min(a + ROUNDING_CHUNK, work.numel())
-        # Uncovered elements: bits 2^15 (bf16: to nearest, ties away) or u = 1/2 (to nearest).
-        rnd = torch.full((b - a,), 1 << 15 if bf16 else 0.5, dtype=torch.int64 if bf16 else torch.float32, device=work.device)
+        # Uncovered elements round to nearest: half the carry (bits 2^31, of which bf16 adds the high 16: 2^15; ties go
+        # away from zero) or u = 1/2.
+        rnd = torch.full((b - a,), 1 << 31 if bf16 else 0.5, dtype=torch.int64 if bf16 else torch.float32, device=work.device)
         for r in ranges:
             lo, hi = max(a, r.lo), min(b, r.hi)
             if lo < hi:
