@@ -30,11 +30,13 @@ from torch import nn
 
 from tricorn.config import Config
 from tricorn.data.base import Batch, GlobalBatchLoader
+from tricorn.lr_schedule import schedule_from_config, steps_can_be_skipped
 from tricorn.parallel.batch_schedule import MicrobatchCalculator
 from tricorn.parallel.context import slice_batch
 from tricorn.parallel.expert import MoEMonitor
 from tricorn.parallel.state import ParallelState
-from tricorn.parallel.step import StepContext, forward_backward_no_pipelining
+from tricorn.parallel.step import StepContext, forward_backward_no_pipelining, microbatch_denominators
+from tricorn.profiling import Profiler
 from tricorn.timers import (
     CHECKPOINT_STALL,
     DATA_LOADING,
@@ -45,7 +47,6 @@ from tricorn.timers import (
 )
 from tricorn.training.faults import maybe_inject
 from tricorn.training.logging import MetricsLogger, warn
-from tricorn.training.lr_schedule import schedule_from_config, steps_can_be_skipped
 from tricorn.training.lr_step import ScheduleDriver
 from tricorn.training.memory_report import iteration_peak, write_memory_report
 from tricorn.training.spikes import SpikeGuard
@@ -96,6 +97,7 @@ class Trainer:
     spikes: Optional[SpikeGuard] = None  # --check-for-spiky-loss: skips spiky iterations on the device (spikes.py)
     stragglers: Optional[StragglerMonitor] = None  # each rank's own work, gathered at log lines (stragglers.py)
     straggler_report: Optional[StragglerReport] = None  # of the last log line (logging.py shows it)
+    profiler: Profiler = field(default_factory=Profiler.disabled)  # --profile's window around iterations (profiling.py)
     lr_schedule: Optional[ScheduleDriver] = None  # Megatron's lr schedule (lr_schedule.py, lr_step.py); built if None
 
     def __post_init__(self) -> None:
@@ -118,12 +120,19 @@ class Trainer:
     def _cp_slice(self, mb: Batch) -> Batch:
         return slice_batch(mb, self.state.cp_rank, self.state.cp_size)
 
-    def _global_tokens(self, microbatches: list[Batch]) -> torch.Tensor:
-        """Valid tokens of the global batch, counted on the device from the microbatches already copied there
-        (the batch's own mask is in host memory: a host count would be a blocking copy on CUDA)."""
-        tokens = torch.stack([mb.loss_mask.sum(dtype=torch.float32) for mb in microbatches]).sum()
+    def _step_context(self, microbatches: list[Batch], forward_only: bool = False) -> StepContext:
+        """The loss normalisation of a global batch (parallel/step.py): valid tokens counted on the device from the
+        microbatches already copied there (the batch's own mask is in host memory: a host count would be a blocking
+        copy on CUDA), per microbatch and over the global batch (one all-reduce)."""
+        counts = torch.stack([mb.loss_mask.sum(dtype=torch.float32) for mb in microbatches])
+        tokens = counts.sum()
         dist.all_reduce(tokens, group=self.state.dp_group)
-        return tokens
+        per_microbatch = not (forward_only or self.cfg.training.calculate_per_token_loss)
+        denominators = microbatch_denominators(counts, self.state.dp_size) if per_microbatch else None
+        ctx = StepContext(self.optimizer, tokens, denominators, forward_only, prepare=self._cp_slice)
+        if not forward_only:
+            ctx.timers = self.timers
+        return ctx
 
     def _reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
         """Sum over DP x CP (each holds part of the global batch) and PP (only the last stage has it)."""
@@ -139,7 +148,7 @@ class Trainer:
             chunk.train()
         self.optimizer.zero_grad()
         microbatches = self._microbatches(batch, num_microbatches)
-        ctx = StepContext(self.optimizer, self._global_tokens(microbatches), prepare=self._cp_slice, timers=self.timers)
+        ctx = self._step_context(microbatches)
         with self.timers(FORWARD_BACKWARD), self._own_work():
             local_loss = self.forward_backward(self.chunks, microbatches, ctx)
         with self.timers(GRADS_REDUCE_WAIT):
@@ -177,7 +186,7 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float32, device=self.state.device)
         for _ in range(self.cfg.data.eval_iters):
             microbatches = self._microbatches(self.valid_loader.next(gbs), nmb)
-            ctx = StepContext(self.optimizer, self._global_tokens(microbatches), forward_only=True, prepare=self._cp_slice)
+            ctx = self._step_context(microbatches, forward_only=True)
             total += self._reduce_loss(self.forward_backward(self.chunks, microbatches, ctx))
         self.optimizer.release_gathered()  # ZeRO-3: a unit kept for its (absent) backward is freed
         self.logger.observe_evaluation(time.perf_counter() - start)  # the ETA counts the remaining evaluations
@@ -280,6 +289,7 @@ class Trainer:
         t, d = self.cfg.training, self.cfg.data
         first_of_run = True
         while self.iteration < t.train_iters:
+            self.profiler.begin(self.iteration + 1)
             report = first_of_run and hasattr(self.optimizer, "memory_tensors")
             # The peak tracker is a TorchDispatchMode, under which dynamo does not trace (and then never compiles
             # that code): with --torch-compile the report has only CUDA's allocator peak (none on CPU).
@@ -297,11 +307,13 @@ class Trainer:
                 self.log(result)
             if self.valid_loader is not None and d.eval_interval and self.iteration % d.eval_interval == 0:
                 self.log_validation(self.evaluate())
+            stop = False
             if self.on_iteration_end is not None:
                 with self.timers(CHECKPOINT_STALL):  # shows in the next log: this iteration's line is already out
                     stop = self.on_iteration_end(self)
-                if stop:
-                    break
+            self.profiler.end(self.iteration)  # the window's iteration range holds the log line and the save
+            if stop:
+                break
 
     def _compile_report(self, first: bool) -> None:
         """--torch-compile: "compiled N regions in S s" once, after iteration 1; a warning if training compiles again."""

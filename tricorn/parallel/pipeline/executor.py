@@ -7,8 +7,9 @@ It walks the rank's action list step by step (``schedules.group_steps``):
 * FORWARD m,c: the input is microbatch m's tokens (after ``ctx.prepare``, the CP slice) on
   virtual stage 0, otherwise the activation received for (m, c), made a leaf that requires
   grad. The output is kept for the backward. On the last virtual stage the output is the
-  loss ``sum(per_token * mask) / ctx.num_tokens`` - normalised by the valid tokens of the
-  whole global batch, never again by the microbatch count or the pipeline size.
+  loss ``sum(per_token * mask) / ctx.denominator(m)`` (``step.py``: Megatron's normalisation, by the
+  microbatch's tokens x the microbatches x DP, or by the global batch's tokens), never again by the
+  pipeline size; the run's total adds ``sum / ctx.num_tokens``, the logged loss.
 * BACKWARD m,c: ``scale_loss(loss).backward()`` on the last virtual stage, otherwise
   ``torch.autograd.backward(output, received output gradient)``, inside
   ``ctx.optimizer.microbatch(is_last=<last backward of chunk c>, chunk=c)``. The input's
@@ -71,11 +72,13 @@ from tricorn.parallel.pipeline.schedules import (
     prev_stage,
     schedule_for,
     sends_done_by,
+    virtual_stage,
 )
 from tricorn.parallel.pipeline.stages import layout_from_config
 from tricorn.parallel.state import world_timeout
 from tricorn.parallel.step import StepContext, new_global_batch, set_moe_aux_weight
 from tricorn.parallel.wgrad import WeightGradStore
+from tricorn.profiling import span
 from tricorn.timers import PIPELINE_P2P_WAIT
 
 Key = tuple[int, int]  # (microbatch, chunk)
@@ -164,17 +167,27 @@ class PipelineExecutor:
             ahead = _next_communication(steps)
             for i, step in enumerate(steps):
                 head = step[0]
-                if head.kind is FORWARD:
-                    self._forward(chunks[head.chunk], head, run)
-                elif head.kind is BACKWARD:
-                    self._backward(head, run, is_last=not split and last_backward[head.chunk] == head)
-                elif head.kind is WEIGHT:
-                    self._weight(head, run, is_last=last_backward[head.chunk] == head)
-                else:
-                    self._communicate(step, run, ahead[i])
+                with span(self._range_name, step):  # "F stage1 mb0", "p2p SF0,RB1" in a profile window
+                    if head.kind is FORWARD:
+                        self._forward(chunks[head.chunk], head, run)
+                    elif head.kind is BACKWARD:
+                        self._backward(head, run, is_last=not split and last_backward[head.chunk] == head)
+                    elif head.kind is WEIGHT:
+                        self._weight(head, run, is_last=last_backward[head.chunk] == head)
+                    else:
+                        self._communicate(step, run, ahead[i])
                 self.order.extend(step)
             self.p2p.complete_sends()
         return run.total
+
+    def _range_name(self, step: tuple[Action, ...]) -> str:
+        """A step's name in the profiler's trace: a compute action with its virtual stage, or the batched messages."""
+        head = step[0]
+        if head.kind.is_compute:
+            return (
+                f"{head.kind.value} stage{virtual_stage(self.pp_rank, head.chunk, self.pp, self.placement)} mb{head.microbatch}"
+            )
+        return "p2p " + ",".join(str(a) for a in step)
 
     # ------------------------------------------------------------ compute
 
@@ -185,8 +198,9 @@ class PipelineExecutor:
         x = mb.tokens if is_first_stage(self.pp_rank, a.chunk) else run.inputs.pop(key)
         out = model(x, mb.labels if last else None, mb.sample_ids)
         if last:
-            out = (out * mb.loss_mask).sum() / run.ctx.num_tokens
-            run.total += out.detach().float()
+            out = (out * mb.loss_mask).sum()
+            run.total += out.detach().float() / run.ctx.num_tokens
+            out = out / run.ctx.denominator(a.microbatch)
         else:
             nxt = self._local(a.chunk, towards_next=True)
             if nxt is None:
@@ -202,7 +216,7 @@ class PipelineExecutor:
     def _backward(self, a: Action, run: _Run, is_last: bool) -> None:
         key = (a.microbatch, a.chunk)
         out = run.outputs.pop(key)
-        set_moe_aux_weight(run.ctx, run.batch(a.microbatch))
+        set_moe_aux_weight(run.ctx, a.microbatch, run.batch(a.microbatch))
         deferred = run.store.backward_input(key) if run.store is not None else contextlib.nullcontext()
         with run.ctx.optimizer.microbatch(is_last=is_last, chunk=a.chunk), deferred:
             if self.is_last_stage(a.chunk):
