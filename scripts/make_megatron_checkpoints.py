@@ -74,6 +74,21 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "gpt_tp1_torch": (1, GPT + ["--ckpt-format", "torch"]),
     "gpt_tp2_dist_dpresh": (2, GPT + DISTOPT + ["--ckpt-format", "torch_dist", "--tensor-model-parallel-size", "2"]),
 }
+# Issue 40: Qwen-style attention (per-head q/k RMSNorm, biases on Q, K and V only, head dim 24 != 64 / 4) at TP2.
+CASES["qwen_tp2_dist"] = (
+    2,
+    LLAMA
+    + [
+        "--qk-layernorm",
+        "--add-qkv-bias",
+        "--kv-channels",
+        "24",
+        "--ckpt-format",
+        "torch_dist",
+        "--tensor-model-parallel-size",
+        "2",
+    ],
+)
 
 # name -> (case it is re-saved from, world size, megatron flags): megatron-core loads the source case's torch_dist
 # checkpoint at another layout and saves it again in the legacy format (model only, iteration 1); the weights are
@@ -210,7 +225,7 @@ def build(argv: list[str]):
 
     def provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
         cfg = core_transformer_config_from_args(args)
-        spec = get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=False)
+        spec = get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm)
         return GPTModel(
             config=cfg,
             transformer_layer_spec=spec,

@@ -74,6 +74,16 @@ def test_probe_matches_formula_without_recompute(s: int, h: int) -> None:
     )
 
 
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+def test_qk_layernorm_qkv_bias_kv_channels_to_the_byte(normalization: str) -> None:
+    """Issue 40: the per-head norms keep q and k before them and their statistics (planning qk_norm_bytes), RoPE after
+    them only its rows; head dim 24 (not 64 / 4) widens q, k, v and the attention output. The QKV bias keeps nothing."""
+    cfg = _config(64, 64, qk_layernorm=True, add_qkv_bias=True, disable_bias_linear=True, kv_channels=24)
+    cfg.normalization = normalization
+    # Saved-tensor bytes against the formula: no float rounding anywhere, so exact.
+    assert _measure(cfg).summary().activation_bytes_per_layer == _formula(cfg)
+
+
 @pytest.mark.parametrize("s, h", [(64, 64), (32, 128)])
 def test_full_recompute_keeps_only_the_layer_input(s: int, h: int) -> None:
     cfg = _config(s, h)

@@ -178,9 +178,11 @@ def test_float64_compiled_layers_equal_eager(compile_env, monkeypatch):
 
     for key, value in compile_env.items():
         monkeypatch.setenv(key, value)
+    # With --qk-layernorm, --add-qkv-bias and --kv-channels (12, not 32 / 4): their ops traced too (issue 40).
     cfg = ModelConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
-        swiglu=True, seq_length=16, vocab_size=64,
+        swiglu=True, seq_length=16, vocab_size=64, disable_bias_linear=True, add_qkv_bias=True, qk_layernorm=True,
+        kv_channels=12,
     )  # fmt: skip
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     results = []

@@ -31,7 +31,8 @@ MODEL_STATE = ("params_bytes", "grads_bytes", "master_params_bytes", "optimizer_
 ACTIVATIONS = ("activation_bytes_per_layer", "activation_bytes_other")
 NPROC = 2
 LAYOUTS: dict[str, list[str]] = {
-    "tp2": ["--tensor-model-parallel-size", "2"],
+    # with issue 40's per-head q/k norms (replicated over TP) and head dim 24 (not 64 / 4)
+    "tp2": ["--tensor-model-parallel-size", "2", "--qk-layernorm", "--kv-channels", "24"],
     "dp2-distopt": ["--use-distributed-optimizer"],
     "dp2-distopt-bf16": ["--use-distributed-optimizer", "--bf16"],
     "pp2": ["--pipeline-model-parallel-size", "2"],

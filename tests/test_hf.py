@@ -9,6 +9,7 @@ tricorn's logits. transformers is a test-only dependency (the `dev` extra).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -42,32 +43,41 @@ CASES = {
 }
 
 
+# The tiny shape of every Hugging Face test (tests/test_hf_families.py too).
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)
+
+
 def save_hf(path: Path, dtype: torch.dtype = torch.float32, sharded: bool = True, **overrides) -> LlamaForCausalLM:
     """A random LlamaForCausalLM saved by transformers (sharded into several safetensors files, with an index)."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        **overrides,
-    )
-    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model = LlamaForCausalLM(LlamaConfig(**{**SMALL, **overrides})).to(dtype).eval()
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "1GB")
     return model
 
 
 def tricorn_model(ckpt: Path) -> GPTModel:
-    """The single-process tricorn model of checkpoint `ckpt`, built from its own config.yaml."""
+    """The single-process fp32 tricorn model of checkpoint `ckpt`, built from its own config.yaml; each expert's
+    saved matrix (...mlp.experts.<e>.w1, checkpoint/pieces.py) stacked back into the layer's weight."""
     cfg = read_model_config(ckpt)
     model = GPTModel(cfg, padded_vocab_size=cfg.vocab_size).eval()
-    weights = {k.removeprefix("model."): v for k, v in read_tensors(ckpt, "model.").items()}
-    model.load_state_dict({k: v.float() for k, v in weights.items()})
+    weights = {k.removeprefix("model."): v.float() for k, v in read_tensors(ckpt, "model.").items()}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for key in list(weights):
+        found = re.fullmatch(r"(.*\.experts)\.(\d+)\.(w[12])", key)
+        if found:
+            experts.setdefault(f"{found[1]}.{found[3]}", {})[int(found[2])] = weights.pop(key)
+    weights.update({k: torch.stack([v[e] for e in sorted(v)]) for k, v in experts.items()})
+    model.load_state_dict(weights)
     return model
 
 
@@ -198,9 +208,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     empty.mkdir()
     assert "config.json is missing" in imp(empty)
     assert "is not supported" in imp(variant("mistral", lambda c: {**c, "model_type": "mistral"}))
-    assert "rope_scaling type 'yarn'" in imp(
-        variant("yarn", lambda c: {**c, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
-    )
+    assert "rope type 'yarn'" in imp(variant("yarn", lambda c: {**c, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
     assert "config.json implies" in imp(variant("shape", lambda c: {**c, "intermediate_size": 128}))
     assert "'model.layers.1.mlp.up_proj.weight' is missing" in imp(variant("missing", drop="model.layers.1.mlp.up_proj.weight"))
     assert "no checkpoint" in _one_line_error(capsys, ["export-hf", "--load", str(empty), "--output", str(tmp_path / "o")])

@@ -3,7 +3,8 @@
 The fixtures in tests/fixtures/megatron_ckpt/ were saved by megatron-core 0.19.2 itself
 (scripts/make_megatron_checkpoints.py): Llama-like and GPT-like models, TP1 and TP2, torch_dist and
 legacy torch (one at PP2, re-saved by megatron from a torch_dist case), the FP32 and the distributed
-optimizer, each with megatron's logits for fixed token ids.
+optimizer, and a Qwen-style attention (--qk-layernorm --add-qkv-bias --kv-channels 24, TP2), each with
+megatron's logits for fixed token ids.
 megatron is not imported here.
 """
 
@@ -31,7 +32,14 @@ CASES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
 # Every fixture saved with its optimizer state: torch_dist's FP32 optimizer and fully_reshardable distributed
 # optimizer (stored per parameter), dp_reshardable and legacy distrib_optim.pt (the distributed optimizer's
 # buffers), the legacy FP32 optimizer (indexed in Megatron's parameter order). llama_pp2_torch is model only.
-WITH_OPTIM = ("llama_tp1_dist", "llama_tp2_dist_fully", "gpt_tp1_torch", "gpt_tp2_dist_dpresh", "llama_tp2_torch_distopt")
+WITH_OPTIM = (
+    "llama_tp1_dist",
+    "llama_tp2_dist_fully",
+    "gpt_tp1_torch",
+    "gpt_tp2_dist_dpresh",
+    "llama_tp2_torch_distopt",
+    "qwen_tp2_dist",
+)
 # The issue's bound for fp32 logits, relative to the largest logit: megatron and tricorn run the same math
 # through different kernels (baddbmm softmax vs SDPA, its fused vs our layouts of the same GEMMs).
 LOGITS_RTOL = 1e-5
@@ -64,7 +72,14 @@ def test_fixtures_cover_the_issue():
         seen |= {("pp", a["pipeline_model_parallel_size"])}
         seen |= {("distopt", a["use_distributed_optimizer"]), ("tied", not a["untie_embeddings_and_output_weights"])}
         seen |= {("gqa", a["group_query_attention"]), ("rope", a["position_embedding_type"] == "rope")}
-    want = {(k, v) for k in ("swiglu", "distopt", "tied", "gqa", "rope") for v in (True, False)}
+        # issue 40: per-head q/k norms, QKV biases without the others, a head dim that is not hidden / heads
+        seen |= {("qk_layernorm", a["qk_layernorm"]), ("qkv_bias_only", a["add_qkv_bias"] and not a["add_bias_linear"])}
+        seen |= {("kv_channels", a["kv_channels"] * a["num_attention_heads"] != a["hidden_size"])}
+    want = {
+        (k, v)
+        for k in ("swiglu", "distopt", "tied", "gqa", "rope", "qk_layernorm", "qkv_bias_only", "kv_channels")
+        for v in (True, False)
+    }
     assert want | {("tp", 1), ("tp", 2), ("pp", 2), ("fmt", "torch"), ("fmt", "torch_dist")} <= seen
     total = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
     assert total < 8 * 2**20, f"fixtures grew to {total / 2**20:.1f} MiB"
@@ -253,7 +268,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     assert "exists and is not empty" in err
 
 
-@pytest.mark.parametrize("case", ["llama_tp2_dist_fully", "gpt_tp1_torch"])
+@pytest.mark.parametrize("case", ["llama_tp2_dist_fully", "gpt_tp1_torch", "qwen_tp2_dist"])
 def test_export_then_import_is_bitwise(tmp_path, case):
     first = sorted(imported(tmp_path, case).glob("iter_*"))[0]
     model = read_tensors(first, "model.")

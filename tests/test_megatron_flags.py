@@ -51,9 +51,9 @@ def test_every_option_of_megatrons_parser_is_classified_once():
 
 
 def test_a_flag_tricorns_parser_defines_is_implemented_with_no_table_edit(monkeypatch):
-    option = next(o for o in megatron_options() if o.flag == "--qk-layernorm")
+    option = next(o for o in megatron_options() if o.flag == "--qk-l2-norm")
     assert status(option) == REFUSED
-    monkeypatch.setattr(megatron_flags, "tricorn_flags", lambda: frozenset({"--qk-layernorm"}))
+    monkeypatch.setattr(megatron_flags, "tricorn_flags", lambda: frozenset({"--qk-l2-norm"}))
     assert status(option) == IMPLEMENTED
 
 
@@ -81,11 +81,11 @@ def test_issue_38s_megatron_command_line_trains_after_one_line_of_no_ops(tmp_pat
 
 
 def test_a_math_flag_tricorn_lacks_is_one_error_line_naming_it(tmp_path):
-    run = run_layout([*MEGATRON_LINE, "--eod-mask-loss", "--qk-layernorm"], 1, tmp_path, check=False)
+    run = run_layout([*MEGATRON_LINE, "--eod-mask-loss", "--qk-l2-norm"], 1, tmp_path, check=False)
     errors = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 2 and len(errors) == 1, run.stderr
     assert errors[0].startswith("tricorn: error: Megatron flags tricorn does not implement: --eod-mask-loss (changes the loss")
-    assert "--qk-layernorm (changes the model" in errors[0]
+    assert "--qk-l2-norm (changes the model" in errors[0]
 
 
 def _parse(*flags: str):
@@ -95,8 +95,6 @@ def _parse(*flags: str):
 @pytest.mark.parametrize(
     "flags, refused",
     [
-        (["--kv-channels", "16"], None),  # hidden / heads: tricorn's head dimension
-        (["--kv-channels", "32"], "--kv-channels=32"),
         (["--distributed-backend", "gloo"], None),  # --device cpu
         (["--distributed-backend", "nccl"], "--distributed-backend=nccl (the process-group backend"),
         (["--ckpt-format", "torch_dist"], None),

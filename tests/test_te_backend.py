@@ -36,12 +36,18 @@ def world(tmp_path):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("old_autocast", [False, True], ids=["autocast", "fp8_autocast"])
-def test_te_spec_keeps_names_shapes_values_and_outputs(monkeypatch, world, old_autocast):
+# Issue 40's attention variants: QKV bias on TE's column Linear alone, per-head q/k norms (tricorn's), head dim 24.
+VARIANTS = "--disable-bias-linear --add-qkv-bias --qk-layernorm --kv-channels 24".split()
+
+
+@pytest.mark.parametrize(
+    "old_autocast, variants", [(False, []), (True, []), (False, VARIANTS)], ids=["autocast", "fp8_autocast", "qk-norm-qkv-bias"]
+)
+def test_te_spec_keeps_names_shapes_values_and_outputs(monkeypatch, world, old_autocast, variants):
     from tricorn.parallel.te import enable_fp8, te_spec
 
     calls = te_standin.install(monkeypatch, old_autocast=old_autocast)
-    cfg = config_from_args(FLAGS + ["--bf16", "--fp8-format", "hybrid"], world_size=1)
+    cfg = config_from_args(FLAGS + ["--bf16", "--fp8-format", "hybrid"] + variants, world_size=1)
     local = GPTModel(cfg.model, tensor_parallel_spec(cfg, world))
     te_model = GPTModel(cfg.model, te_spec(tensor_parallel_spec(cfg, world), cfg, world, torch.device("cpu")))
     local.init_weights(7)
@@ -54,6 +60,8 @@ def test_te_spec_keeps_names_shapes_values_and_outputs(monkeypatch, world, old_a
     linears = [m for m in te_model.modules() if isinstance(m, te_standin.Linear)]
     assert len(linears) == 2 * 4  # qkv, out proj, w1, w2 per layer are TE's Linear
     assert [kw["parallel_mode"] for _, kw in calls["Linear.__init__"]] == ["column", "row"] * 4
+    biases = [True, False, False, False] if variants else [True] * 4  # qkv, out proj, w1, w2
+    assert [kw["bias"] for _, kw in calls["Linear.__init__"]] == biases * 2
     enable_fp8([te_model], cfg, world)
     tokens = torch.randint(0, 100, (16, 2))
     first, second = te_model(tokens, tokens), te_model(tokens, tokens)

@@ -47,7 +47,10 @@ def test_llama3_shaped_tiny_run_trains_on_llama3_tokenizer_model(tmp_path):
     model = str(_fetch(real.llama3_tokenizer_model))
     tok = ["--tokenizer-type", "Llama3Tokenizer", "--tokenizer-model", model]
     data = _preprocess(tmp_path / "llama3", tok)
-    tiny = "--model-preset llama3-8b --num-layers 1 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --num-query-groups 2".split()
+    # llama3-8b's shape, but tiny (a preset's width cannot be overridden: its own flags instead)
+    tiny = "--num-layers 1 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --num-query-groups 2".split()
+    tiny += "--group-query-attention --swiglu --disable-bias-linear --untie-embeddings-and-output-weights".split()
+    tiny += "--position-embedding-type rope --rotary-base 500000 --normalization RMSNorm --vocab-size 128256".split()
     run = run_layout([*tiny, *tok, *TRAIN, "--data-path", data], 1, tmp_path / "run")
     losses = [r["loss"] for r in run.records if "loss" in r]
     # 128,256 tokens: a fresh model's loss starts near ln(128256) = 11.76

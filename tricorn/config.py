@@ -49,6 +49,12 @@ class ModelConfig:
     num_attention_heads: int = _f(4, "Query heads a.", bound=AT_LEAST_1)
     num_query_groups: Optional[int] = _f(None, "Key/value heads for GQA/MQA (needs --group-query-attention).", bound=AT_LEAST_1)
     group_query_attention: bool = _f(False, "Use --num-query-groups key/value heads.")
+    kv_channels: Optional[int] = _f(
+        None, "Head dimension of queries, keys and values (default: --hidden-size / --num-attention-heads).", bound=AT_LEAST_1
+    )
+    qk_layernorm: bool = _f(
+        False, "Per-head norm (--normalization) on queries and keys after their projection, before RoPE (Megatron's; Qwen3)."
+    )
     seq_length: int = _f(64, "Tokens per sample.", bound=AT_LEAST_1)
     max_position_embeddings: Optional[int] = _f(None, "Longest position (default: --seq-length).", bound=AT_LEAST_1)
     position_embedding_type: str = _f("rope", "Position encoding.", choices=["rope", "learned_absolute"])
@@ -69,6 +75,9 @@ class ModelConfig:
     norm_epsilon: float = _f(1e-5, "Epsilon of the norms.", bound=POSITIVE)
     swiglu: bool = _f(False, "SwiGLU MLP instead of GeLU.")
     disable_bias_linear: bool = _f(False, "No biases in the linear layers.")
+    add_qkv_bias: bool = _f(
+        False, "Biases on the query, key and value projections (with --disable-bias-linear: only there, as Qwen2)."
+    )
     untie_embeddings_and_output_weights: bool = _f(False, "Separate output head instead of reusing the embedding.")
     hidden_dropout: float = _f(0.0, "Dropout on the residual branches.", bound=PROBABILITY)
     attention_dropout: float = _f(0.0, "Dropout on the attention probabilities.", bound=PROBABILITY)
@@ -113,7 +122,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the fused QKV projection has a bias (every linear's, or --add-qkv-bias alone)."""
+        return self.add_qkv_bias or not self.disable_bias_linear
 
     @property
     def ffn_size(self) -> int:
@@ -136,6 +150,43 @@ class ModelConfig:
         assert self.vocab_size is not None, "vocab_size must be resolved before the model is built"
         multiple = self.make_vocab_size_divisible_by * tp
         return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+# The fields that fix a model's weights and math (what a checkpoint's config.yaml pins down). --use-checkpoint-args
+# takes them from the checkpoint, a preset sets its own, and a flag or YAML value contradicting either is refused
+# (config_args.py). seq_length, dropout, init and recompute are the run's choices, not the model's.
+ARCHITECTURE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "group_query_attention",
+    "kv_channels",
+    "qk_layernorm",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "rotary_base",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor",
+    "rope_scaling_original_max_position_embeddings",
+    "normalization",
+    "norm_epsilon",
+    "swiglu",
+    "disable_bias_linear",
+    "add_qkv_bias",
+    "untie_embeddings_and_output_weights",
+    "vocab_size",
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_layer_freq",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_score_function",
+    "moe_router_enable_expert_bias",
+)
 
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather")  # --cp-comm-type: tricorn/parallel/context/ has one module each
@@ -401,6 +452,9 @@ class CheckpointConfig:
         True, "Check every checkpoint file against its checksum before loading.", negate="--no-verify-checkpoint"
     )
     keep_last_n_checkpoints: Optional[int] = _f(None, "Delete older checkpoints once a newer one is complete.", bound=AT_LEAST_1)
+    use_checkpoint_args: bool = _f(
+        False, "Take the model flags from the --load checkpoint's config (a flag that contradicts it is an error)."
+    )
 
 
 @dataclass

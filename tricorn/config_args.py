@@ -1,6 +1,7 @@
 """The command line and YAML files -> a Config: parser generated from the dataclasses of tricorn/config.py.
 
-Defaults <- preset <- YAML (``--config``) <- flags. Errors are ConfigError, one sentence each; no
+Defaults <- preset <- YAML (``--config``) <- flags, and --use-checkpoint-args (tricorn/model_args.py); an architecture
+field set against the preset or the checkpoint is refused. Errors are ConfigError, one sentence each; no
 collectives, no device work.
 """
 
@@ -13,11 +14,12 @@ import functools
 import os
 from typing import Optional
 
-from tricorn.config import SECTIONS, Config, ConfigError, ModelConfig, field_errors
+from tricorn.config import SECTIONS, Config, ConfigError, field_errors
 from tricorn.fields import field_kind, flag_of, yaml_type_error
 from tricorn.flag_parser import tricorn_parser
 from tricorn.megatron_flags import PREFIX as MEGATRON
 from tricorn.megatron_flags import add_megatron_options, check_command_line, megatron_defaults, megatron_notice, run_context
+from tricorn.model_args import apply_checkpoint_args, preset_conflicts
 from tricorn.presets import PRESETS
 
 
@@ -114,12 +116,9 @@ def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int]
             )
         cfg.model_preset = preset
         # Preset first, then anything the YAML or the flags set explicitly on top.
-        yaml_model = dataclasses.asdict(cfg.model)
-        defaults = dataclasses.asdict(ModelConfig())
         for k, v in PRESETS[preset].items():
-            if yaml_model[k] == defaults[k]:
+            if k not in given:
                 setattr(cfg.model, k, v)
-        given |= set(PRESETS[preset])
     cfg.device = args.pop("device", None) or cfg.device or default_device()
     if "dry_run" in args:
         cfg.dry_run = args.pop("dry_run")
@@ -127,6 +126,16 @@ def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int]
     for dest, value in args.items():
         section, name = names[dest]
         setattr(getattr(cfg, section), name, value)
+    # The model fields the run sets itself (a flag or the YAML), against the preset's and the checkpoint's.
+    explicit = {k: getattr(cfg.model, k) for k in given if hasattr(cfg.model, k)}
+    if preset is not None:
+        conflicts = preset_conflicts(preset, PRESETS[preset], explicit)
+        if conflicts:
+            raise ConfigError("; also: ".join(conflicts))
+        explicit = {**PRESETS[preset], **explicit}
+        given |= set(PRESETS[preset])
+    if cfg.checkpoint.use_checkpoint_args:
+        given |= apply_checkpoint_args(cfg, explicit)
     cfg.world_size = (
         world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     )

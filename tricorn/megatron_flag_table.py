@@ -266,9 +266,9 @@ DEPRECATED = "deprecated in Megatron; use its replacement (docs/megatron-flags.m
 REFUSED: dict[str, tuple[str, ...]] = {
     ARCH: _names(
         """
-        kv_channels fp32_residual_connection apply_residual_connection_post_layernorm
-        layernorm_zero_centered_gamma add_qkv_bias glu_linear_offset activation_func_clamp_value
-        rotary_interleaved qk_layernorm qk_l2_norm qk_clip attention_output_gate softmax_type
+        fp32_residual_connection apply_residual_connection_post_layernorm
+        layernorm_zero_centered_gamma glu_linear_offset activation_func_clamp_value
+        rotary_interleaved qk_l2_norm qk_clip attention_output_gate softmax_type
         multi_latent_attention experimental_attention_variant use_mup apply_query_key_layer_scaling
         mtp_num_layers mrope_section is_hybrid_model encoder_num_layers decoder_num_layers window_size
         window_attn_skip_freq rotary_percent rotary_seq_len_interpolation_factor no_rope_freq
@@ -329,7 +329,7 @@ REFUSED: dict[str, tuple[str, ...]] = {
         save_params_interval save_activations_interval save_tokens_per_expert_interval save_wgrads_interval
         save_dgrads_interval save_retain_interval non_persistent_save_interval non_persistent_ckpt_type
         non_persistent_global_ckpt_dir non_persistent_local_ckpt_dir non_persistent_local_ckpt_algo
-        pretrained_checkpoint use_checkpoint_args use_mp_args_from_checkpoint_args
+        pretrained_checkpoint use_mp_args_from_checkpoint_args
         exit_on_missing_checkpoint ckpt_format ckpt_convert_format ckpt_convert_save
         ckpt_convert_update_legacy_dist_opt_format logits_save_dir
         """
@@ -376,7 +376,6 @@ WHY: dict[str, str] = {
     "model_parallel_size": "use --tensor-model-parallel-size",
     "use_rotary_position_embeddings": "use --position-embedding-type rope",
     "pretrained_checkpoint": "use --load with --finetune",
-    "use_checkpoint_args": "the args of a Megatron checkpoint are import-megatron's megatron.yaml: pass it as --config",
     "iterations_to_skip": "changes the training samples; tricorn leaves samples out with --skip-samples",
     "step_batch_size_schedule": "changes the global batch over training; tricorn's ramp is --rampup-batch-size",
     "exit_on_missing_checkpoint": "tricorn starts fresh when --load holds no checkpoint, and says so",
@@ -394,10 +393,6 @@ Fine = Union[tuple, Callable[[Any, Ctx], bool]]
 def _padded(ctx: Ctx) -> int:
     multiple = ctx.get("make_vocab_size_divisible_by", 128) * ctx.get("tensor_model_parallel_size", 1)
     return -(-ctx["vocab_size"] // multiple) * multiple
-
-
-def _head_dim(value: Any, ctx: Ctx) -> bool:
-    return value is None or value * ctx["num_attention_heads"] == ctx["hidden_size"]
 
 
 def _backend(value: Any, ctx: Ctx) -> bool:
@@ -421,9 +416,6 @@ def _same(name: str) -> Callable[[Any, Ctx], bool]:
 # Values that are what tricorn does, where Megatron's default alone is not all of them. A predicate gets the
 # value and the run. Megatron's default is always fine (a flag given at its default changes nothing).
 FINE: dict[str, Fine] = {
-    "kv_channels": _head_dim,  # hidden / heads: tricorn's head dimension
-    # Megatron gives QKV a bias whenever the linear layers have one (its saved args say add_qkv_bias then)
-    "add_qkv_bias": lambda value, ctx: not value or ctx.get("add_bias_linear", not ctx.get("disable_bias_linear")),
     "padded_vocab_size": lambda value, ctx: value is None or ctx.get("vocab_size") is None or value == _padded(ctx),
     "encoder_num_layers": _same("num_layers"),
     "encoder_seq_length": _same("seq_length"),
@@ -441,8 +433,6 @@ FINE: dict[str, Fine] = {
 
 # What FINE's predicates accept, for docs/megatron-flags.md.
 FINE_TEXT: dict[str, str] = {
-    "add_qkv_bias": "given without `--disable-bias-linear` (the QKV bias the linear layers have anyway)",
-    "kv_channels": "hidden size / heads",
     "padded_vocab_size": "tricorn's padding of --vocab-size",
     "encoder_num_layers": "`--num-layers`",
     "encoder_seq_length": "`--seq-length`",

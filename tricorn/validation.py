@@ -62,8 +62,11 @@ def validate(cfg: Config) -> list[str]:
     # The split of the model over TP comes first: it is what a user asking for a layout most needs to see.
     if m.num_attention_heads % tp != 0:
         errs.append(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
-    if m.hidden_size % m.num_attention_heads != 0:
-        errs.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}")
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads != 0:
+        errs.append(
+            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
+            "give the head dimension with --kv-channels"
+        )
     if m.group_query_attention and not m.num_query_groups:
         errs.append("--group-query-attention needs --num-query-groups")
     if m.num_query_groups and not m.group_query_attention:
@@ -75,7 +78,8 @@ def validate(cfg: Config) -> list[str]:
     if m.ffn_size % tp != 0:
         errs.append(f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}")
     if m.position_embedding_type == "rope" and m.head_dim % 2 != 0:
-        errs.append(f"RoPE needs an even head dimension, got hidden/heads = {m.head_dim}")
+        what = "--kv-channels" if m.kv_channels else "hidden/heads"
+        errs.append(f"RoPE needs an even head dimension, got {what} = {m.head_dim}")
     if m.use_rope_scaling and m.position_embedding_type != "rope":
         errs.append("--use-rope-scaling needs --position-embedding-type rope")
     if m.use_rope_scaling and not m.rope_scaling_high_freq_factor > m.rope_scaling_low_freq_factor > 0:

@@ -104,6 +104,44 @@ g = torch.rand(s, b)
 loss.backward(g)
 ref.backward(g)
 check("cross entropy input grad", xh.grad, xr.grad)
+# Attention with --qk-layernorm, --add-qkv-bias and --kv-channels against one process's: outputs, the QKV bias's
+# shard, and the per-head norms' gradients, which each rank computes over its own heads only and the trainer sums
+# over TP (they carry `sequence_parallel`, SP or not: tricorn/parallel/grads.py).
+from tricorn.config import Config, ModelConfig, ParallelConfig  # noqa: E402
+from tricorn.model.init import init_weights  # noqa: E402
+from tricorn.model.spec import local_spec  # noqa: E402
+from tricorn.model.transformer import Attention, rotary_of  # noqa: E402
+from tricorn.parallel.tensor import tensor_parallel_spec  # noqa: E402
+
+m = ModelConfig(hidden_size=h, num_attention_heads=8, group_query_attention=True, num_query_groups=max(2, world), kv_channels=6)
+m.qk_layernorm, m.add_qkv_bias, m.disable_bias_linear, m.seq_length = True, True, True, s
+rotary, positions = rotary_of(m), torch.arange(s)
+one = Attention(m, local_spec())
+init_weights(one, 3, 0.5, 1)
+with torch.no_grad():  # non-trivial norm weights and biases (init makes them 1 and 0)
+    for p in one.parameters():
+        if p.dim() == 1:
+            p.copy_(torch.randn(p.shape))
+y_ref = one(x_full, rotary, positions)
+y_ref.backward(grad_out)
+for sp in (False, True):
+    cfg = Config(model=m, parallel=ParallelConfig(tensor_model_parallel_size=world, sequence_parallel=sp), world_size=world)
+    tp = Attention(m, tensor_parallel_spec(cfg, group))
+    with torch.no_grad():
+        for name, p in tp.named_parameters():
+            info = shard_info(p)
+            p.copy_(dict(one.named_parameters())[name] if info is None else shard(dict(one.named_parameters())[name], info.dim))
+    y = tp(shard(x_full, 0) if sp else x_full, rotary, positions)
+    check(f"attention forward sp={sp}", gather_from_sequence(y, group) if sp else y, y_ref)
+    y.backward(shard(grad_out, 0) if sp else grad_out)
+    check(f"qkv bias grad sp={sp}", tp.wqkv.bias.grad, shard(one.wqkv.bias.grad, 0))
+    for norm in ("q_layernorm", "k_layernorm"):
+        weight = getattr(tp, norm).weight
+        assert getattr(weight, "sequence_parallel", False) == (world > 1), norm
+        summed = weight.grad.clone()
+        dist.all_reduce(summed)
+        check(f"{norm} grad summed over TP, sp={sp}", summed, getattr(one, norm).weight.grad)
+
 dist.barrier()  # exit together: a rank leaving mid-collective aborts gloo on its peers
 dist.destroy_process_group()
 print("ok")

@@ -6,6 +6,7 @@ in fp32 a full fp32 copy of the logits. These functions do the same math and sav
 
     norm            input (compute dtype) + fp32 statistics per token (rstd; LayerNorm's mean too)
     split_qkv_rope  q, k, v as three tensors (RoPE applied to q and k), saving only the cos/sin rows
+    rope            RoPE alone (after --qk-layernorm's per-head norms), saving only the cos/sin rows
     swiglu          the gate|up input (2f); the output is saved by the next linear
     cross_entropy   the logits in their own dtype + fp32 log-sum-exp per token; the fp32 softmax is computed
                     in chunks of CE_CHUNK_ELEMENTS logits in forward and again in backward, never whole
@@ -147,6 +148,24 @@ class _SplitQKVRope(torch.autograd.Function):
         grad[:, :, :, n] = gk
         grad[:, :, :, n + 1] = gv
         return grad, None, None, None
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, -1), None, None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [s, b, heads, d] rotated by its positions' angles, saving only the cos/sin rows (not x: its producer, a norm
+    under --qk-layernorm, keeps its own input)."""
+    return _Rope.apply(x, cos, sin)
 
 
 def split_qkv_rope(

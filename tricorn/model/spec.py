@@ -22,6 +22,8 @@ token ids [seq, batch]):
   [s, b, heads, d] tensors; the output is best written in q's layout, as SDPA does); `dropout` is None
   or the layer's AttentionDropout (dropout.py: masks drawn by global sample, head and position).
 - norm(dim, kind, eps): a norm module.
+- head_norm(dim, kind, eps): the per-head norm of queries or keys (--qk-layernorm), over the head dim; each
+  TP rank applies it to its own heads, so a parallel implementation marks its weights for a TP gradient sum.
 - weight_grad: None, or the hook (lean.WeightGrad) through which the norms and the routed experts' GEMMs hand
   over their weights' gradients in backward, so that tricorn.parallel can defer them to a zero-bubble W
   (tricorn/parallel/wgrad.py's `defer`); None computes them in the backward.
@@ -93,6 +95,7 @@ class LayerSpec:
     cross_entropy: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = masked_cross_entropy
     core_attention: Callable[..., torch.Tensor] = sdpa_causal
     norm: Callable[[int, str, float], nn.Module] = field(default=None)  # type: ignore[assignment]
+    head_norm: Callable[[int, str, float], nn.Module] = field(default=None)  # type: ignore[assignment]
     weight_grad: Optional[WeightGrad] = None  # the norms' (when `norm` is left default) and the experts' hook
     # Layout-independent dropout (dropout.py): the run seed, this rank's TP rank (its heads start at
     # tp_rank x local heads) and which of the `sequence_shards` sequence pieces it holds.
@@ -122,6 +125,8 @@ class LayerSpec:
     def __post_init__(self) -> None:
         if self.norm is None:
             self.norm = functools.partial(make_norm, weight_grad=self.weight_grad)
+        if self.head_norm is None:
+            self.head_norm = functools.partial(make_norm, weight_grad=self.weight_grad)
 
 
 def make_norm(dim: int, kind: str, eps: float, weight_grad: Optional[WeightGrad] = None) -> nn.Module:

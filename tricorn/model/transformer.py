@@ -2,7 +2,8 @@
 
     tokens -> embedding (+ learned positions) -> [block] x L -> final norm -> head -> loss
     block:  x + attn(norm(x)) then x + mlp(norm(x)), pre-norm, dropout on both branches
-    attn:   fused QKV (grouped by key/value head), RoPE, causal SDPA, output projection
+    attn:   fused QKV (grouped by key/value head; optional bias), optional per-head q/k norm, RoPE, causal SDPA,
+            output projection; head dim --kv-channels (default hidden / heads)
     mlp:    SwiGLU (gate and up fused, interleaved) or GeLU; or a mixture of experts (moe.py)
 
 Hidden states are sequence-first, [seq, batch, hidden], as in Megatron: a sequence shard
@@ -45,7 +46,7 @@ from tricorn.model.dropout import (
 )
 from tricorn.model.init import INIT_KEY_ATTR, SHARD_ATTR, ShardInfo, init_weights, shard_info
 from tricorn.model.layers import RopeScaling, Rotary
-from tricorn.model.lean import split_qkv_rope, swiglu
+from tricorn.model.lean import rope, split_qkv_rope, swiglu
 from tricorn.model.moe import MoEMLP
 from tricorn.model.spec import LayerSpec, local_spec
 
@@ -59,10 +60,14 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_per_group = cfg.num_attention_heads // cfg.kv_heads
         self.dropout_p = cfg.attention_dropout
-        bias = not cfg.disable_bias_linear
         qkv_out = cfg.kv_heads * (self.q_per_group + 2) * self.head_dim
-        self.wqkv = spec.column_linear(cfg.hidden_size, qkv_out, bias=bias)
-        self.wo = spec.row_linear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.wqkv = spec.column_linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)  # --add-qkv-bias: here only
+        self.wo = spec.row_linear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=not cfg.disable_bias_linear)
+        # --qk-layernorm: one norm over each head's d features, shared by the heads, for queries and one for keys.
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm:
+            self.q_layernorm = spec.head_norm(self.head_dim, cfg.normalization, cfg.norm_epsilon)
+            self.k_layernorm = spec.head_norm(self.head_dim, cfg.normalization, cfg.norm_epsilon)
 
     def forward(
         self, x: torch.Tensor, rotary: Optional[Rotary], position_ids: torch.Tensor, sample_ids: Optional[Sequence[int]] = None
@@ -74,10 +79,21 @@ class Attention(nn.Module):
         cos, sin = rotary.rows(position_ids, qkv.dtype) if rotary is not None else (None, None)
         # q, k, v as separate [s, b, heads, d] tensors (RoPE'd): attention keeps exactly these, and the QKV
         # output is freed. The core sees them as [b, heads, s, d] views.
-        q, k, v = (t.permute(1, 2, 0, 3) for t in split_qkv_rope(qkv, self.q_per_group, cos, sin))
+        q, k, v = self._split(qkv, cos, sin)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         out = self.spec.core_attention(q, k, v, self._dropout(sample_ids, b, local_heads=q.shape[1]))
         # [b, heads, s, d] -> [s, b, heads * d]: a view when the kernel wrote q's layout (SDPA does).
         return self.wo(out.permute(2, 0, 1, 3).flatten(2))
+
+    def _split(
+        self, qkv: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [s, b, heads, d]; with --qk-layernorm q and k are normalised per head before RoPE (Qwen3's order)."""
+        if self.q_layernorm is None:
+            return split_qkv_rope(qkv, self.q_per_group, cos, sin)
+        q, k, v = split_qkv_rope(qkv, self.q_per_group, None, None)
+        q, k = self.q_layernorm(q), self.k_layernorm(k)
+        return (q, k, v) if cos is None else (rope(q, cos, sin), rope(k, cos, sin), v)
 
     def _dropout(self, sample_ids: Optional[Sequence[int]], batch: int, local_heads: int) -> Optional[AttentionDropout]:
         if not self.training or self.dropout_p == 0.0:

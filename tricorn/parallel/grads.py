@@ -2,7 +2,8 @@
 
 After the last backward of an iteration (Megatron's finalize_model_grads):
 - parameters replicated over TP that saw only a sequence shard (`sequence_parallel`
-  attribute: norm weights, row biases, and the MoE routers and routed experts under SP)
+  attribute: norm weights, row biases, and the MoE routers and routed experts under SP) or only
+  this rank's heads (--qk-layernorm's per-head norms, at any TP > 1)
   get their gradients all-reduced over the TP group (small ones through flat copies of
   at most COALESCE_BYTES, large ones in place: no transient beyond that);
 - with tied embeddings and PP > 1, the first stage's embedding and the last

@@ -23,8 +23,8 @@ reduce-scatter in turn overlaps the weight-gradient matmul), as Megatron does:
 one more all-gather per linear in backward for 1/TP of its saved input (eager mode; under --torch-compile
 the collectives trace as functional ones and the graph keeps the gathered input: tricorn/parallel/compile.py). Parameters
 that are replicated over TP but see only a sequence shard (norm weights, row
-biases) get partial gradients; they carry `sequence_parallel = True` and the
-trainer all-reduces their gradients over TP (grads.py).
+biases), or only this rank's heads (--qk-layernorm's per-head norms, SP or not), get partial gradients; they
+carry `sequence_parallel = True` and the trainer all-reduces their gradients over TP (grads.py).
 
 The embedding is vocab-parallel (rows split over TP, out-of-range tokens
 give zeros, outputs summed), and the loss is a vocab-parallel cross entropy
@@ -411,6 +411,12 @@ def tensor_parallel_spec(cfg: Config, tp_group: dist.ProcessGroup) -> LayerSpec:
         module = make_norm(dim, kind, eps, wgrad.defer)
         return mark_sequence_parallel(module) if sp else module
 
+    def head_norm(dim: int, kind: str, eps: float) -> nn.Module:
+        # --qk-layernorm: replicated, but each TP rank normalises only its own heads (SP or not): a partial
+        # gradient per rank, summed over TP like the SP norms' (Megatron's finalize_model_grads does the same).
+        module = make_norm(dim, kind, eps, wgrad.defer)
+        return mark_sequence_parallel(module) if tp_size > 1 else module
+
     return LayerSpec(
         column_linear=functools.partial(ColumnParallelLinear, **common),
         row_linear=functools.partial(RowParallelLinear, **common),
@@ -419,6 +425,7 @@ def tensor_parallel_spec(cfg: Config, tp_group: dist.ProcessGroup) -> LayerSpec:
         output_head=functools.partial(ParallelHead, **common, vocab_size=vocab),
         cross_entropy=lambda logits, labels, v: vocab_parallel_cross_entropy(logits, labels, v, tp_group),
         norm=norm,
+        head_norm=head_norm,
         # The norms' and the routed experts' weight gradients: to a zero-bubble W while one is open (wgrad.py).
         weight_grad=wgrad.defer,
         sequence_shards=tp_size if sp else 1,

@@ -10,6 +10,10 @@ e (4 fp32, 2 bf16/fp16). Counted the way Korthikanti et al. 2022 count sbh(34 + 
 a backward needs, in bytes); ``layer_activation_terms`` returns one field per row. Every tensor is saved once,
 in the compute dtype, and sharded over the sequence (SP) or the tensor dimension (tricorn/model/lean.py):
 
+With --kv-channels d != h/a the attention terms (qkv, attention_output and their CP and dropout forms) count the
+attention width a*d where the table says h. --qk-layernorm adds ``qk_norm``: the per-head norms' inputs (q and k,
+e(a + g)d / t per token) and their fp32 statistics (4(a + g)/t; LayerNorm 8), RoPE after them keeping its rows only.
+
     field             bytes / sbh                     what autograd keeps (module that saves it)
     norm_inputs       2e                    [/t SP]   the two norms' inputs (the norms, lean.norm)
     norm_stats        2 * 4k / h            [/t SP]   fp32 rstd (k = 1) - LayerNorm: mean too (k = 2)
@@ -177,6 +181,7 @@ class LayerActivationTerms:
     qkv: float = 0.0
     attention_output: float = 0.0
     attention_core: float = 0.0
+    qk_norm: float = 0.0  # --qk-layernorm: the per-head norms' inputs (q and k before them) and statistics
     mlp: float = 0.0
     fp8_scales: float = 0.0  # native FP8 tensorwise: the fp32 scales each FP8 linear keeps
     layer_input: float = 0.0  # full recompute: the checkpoint's input (one per group of N layers)
@@ -231,6 +236,7 @@ def layer_activation_terms(
     term (the module docstring's table); ``seq`` is the rank's sequence length, after CP over ``cp`` ranks."""
     s, b, h, e = seq, micro_batch, model.hidden_size, activation_element_bytes(precision)
     a, d, gd = model.num_attention_heads, model.head_dim, model.kv_heads * model.head_dim
+    q = a * d  # the attention width (h unless --kv-channels sets d)
     if compiled:  # the traced SP linear's backward all-gather is its forward's, merged: the gathered input is kept
         profile = replace(profile, sp_gathered_inputs=True)
     sbh = s * b * h
@@ -239,7 +245,7 @@ def layer_activation_terms(
         return LayerActivationTerms(layer_input=e * sbh / sp_div)
     selective = set(recompute_modules) if recompute == "selective" else set()
     norm = model.normalization
-    qkv = e * s * b * (h + 2 * gd)
+    qkv = e * s * b * (q + 2 * gd)
     rope_tables = profile.rope_rows * e * s * d if model.position_embedding_type == "rope" else 0.0
     if compiled:  # inductor's partitioner gathers the rows again in backward from the int64 position ids
         rope_tables = 0.0  # (8s bytes per chunk, kept by its first layer: see the module docstring)
@@ -251,11 +257,11 @@ def layer_activation_terms(
     elif profile.uses_flash(model.attention_dropout):
         core = 4.0 * a * s * b
     elif profile.flash:  # our explicit attention with layout-independent dropout (tricorn/model/dropout.py)
-        qkv = (1 + 2 * cp) * e * sbh  # q, and the (all-gathered under CP) k, v expanded to a heads: fresh copies
+        qkv = (1 + 2 * cp) * e * s * b * q  # q, and the (all-gathered under CP) k, v expanded to a heads: fresh copies
         # fp32 softmax output, bool keep mask, dropped probabilities over the cp*s keys; the causal mask
         core = (4 + 1 + e) * a * s * cp * s * b + s * cp * s
     else:  # q, k, v as the math path's matmuls keep them (k, v expanded to a heads) and the s x s tensors
-        qkv = 3 * e * sbh
+        qkv = 3 * e * s * b * q
         core = e * a * s * s * b
         if model.attention_dropout > 0:
             core += (1 + e) * a * s * s * b
@@ -273,7 +279,8 @@ def layer_activation_terms(
         dropout_masks=2 * sbh / sp_div if model.hidden_dropout > 0 else 0.0,  # bool masks
         rope_tables=rope_tables,
         qkv=qkv / tp,
-        attention_output=e * sbh * max(copies, 1) / tp,
+        attention_output=e * s * b * q * max(copies, 1) / tp,
+        qk_norm=qk_norm_bytes(model, e, s * b, norm, device, profile) / tp,
         attention_core=core / tp,
         mlp=0.0 if "mlp" in selective else mlp_activation_bytes(model, e, s * b, tp, "mlp_act" in selective, sp_div, etp),
         rng_state=rng_state,
@@ -285,7 +292,7 @@ def _with_fp8_inputs(
     terms: LayerActivationTerms, model: ModelConfig, e: float, tokens: int, sp_div: int, tp: int, selective: set, copies: int
 ) -> LayerActivationTerms:
     """Native FP8 tensorwise (the module docstring): the linears keep FP8 copies of their inputs and two scales."""
-    h, f = model.hidden_size, model.ffn_size
+    h, f, q = model.hidden_size, model.ffn_size, model.num_attention_heads * model.head_dim
     mlp_kept = "mlp" not in selective
     if mlp_kept:
         w1_input = tokens * h / sp_div  # w1's FP8 copy
@@ -294,10 +301,20 @@ def _with_fp8_inputs(
     return replace(
         terms,
         linear_inputs=tokens * h / sp_div + w1_input,  # QKV's FP8 copy (norm recompute cannot drop it)
-        attention_output=(e * copies + 1) * tokens * h / tp,  # SDPA's output unless recomputed, and wo's FP8 copy
+        attention_output=(e * copies + 1) * tokens * q / tp,  # SDPA's output unless recomputed, and wo's FP8 copy
         mlp=tokens * f * (e * (_mlp_widths(model.swiglu, False) - 1) + 1) / tp if mlp_kept else 0.0,
         fp8_scales=8.0 * (4 if mlp_kept else 2),
     )
+
+
+def qk_norm_bytes(model: ModelConfig, e: float, tokens: int, norm: str, device: str, profile: ActivationProfile) -> float:
+    """--qk-layernorm's saved tensors for `tokens` tokens, all heads (before the /t of TP): each per-head norm keeps
+    its input (q, k as split from the QKV output) and its fp32 statistics per head and token; its output goes
+    through RoPE, which keeps only the cos/sin rows (lean.rope), into the q and k the attention keeps (``qkv``)."""
+    if not model.qk_layernorm:
+        return 0.0
+    heads = model.num_attention_heads + model.kv_heads
+    return heads * tokens * (profile.norm_bytes(e, norm, device) * model.head_dim + profile.stats_bytes(norm))
 
 
 def cp_attention_bytes(model: ModelConfig, comm_type: str, s: int, b: int, e: float, cp: int, tp: int) -> tuple[float, float]:
@@ -313,7 +330,8 @@ def cp_attention_bytes(model: ModelConfig, comm_type: str, s: int, b: int, e: fl
                attention dropout the explicit full-sequence form of dropout.py on a/cp heads (q and k, v
                expanded, the [cp s]^2 softmax, mask and dropped probabilities, the causal mask)
     """
-    h, a, gd = model.hidden_size, model.num_attention_heads, model.kv_heads * model.head_dim
+    a, gd = model.num_attention_heads, model.kv_heads * model.head_dim
+    h = a * model.head_dim  # the query width
     lse = 4.0 * a * s * b
     if comm_type == "allgather":
         return e * s * b * h + 2 * e * cp * s * b * gd, lse + 8 * cp * s * tp

@@ -3,8 +3,8 @@
 Only matrix multiplications are counted (2 FLOPs per multiply-add); norms, RoPE, softmax, activations and the
 loss are a few percent of the work and are left out, as in every published MFU.
 
-Forward FLOPs per token and layer, with h hidden, a query heads, g key/value groups, d = h/a, f ffn width,
-s sequence length, V the padded vocabulary:
+Forward FLOPs per token and layer, with h hidden, a query heads, g key/value groups, d = h/a (or --kv-channels),
+f ffn width, s sequence length, V the padded vocabulary (the formulas below at d = h/a; the code uses a*d):
 
     q and out projections   2*h*h + 2*h*h           = 4h^2
     k and v projections     2 * 2*h*(g*d)           = 4h^2 * g/a          (GQA: g < a; MHA: g = a)

@@ -150,13 +150,15 @@ def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None, la
 
 def _attention_sizes(model: ModelConfig, tp: int) -> list[int]:
     """A layer's norms and attention on a TP rank, in the model's order (model/transformer.py)."""
-    h, gd = model.hidden_size, model.kv_heads * model.head_dim
+    h, gd, d = model.hidden_size, model.kv_heads * model.head_dim, model.head_dim
     q = model.num_attention_heads * model.head_dim
     bias = not model.disable_bias_linear
-    norm = [h, h] if model.normalization == "LayerNorm" else [h]
-    qkv = [h * (q + 2 * gd) // tp, (q + 2 * gd) // tp][: 1 + bias]  # fused QKV, column parallel
+    layer_norm = model.normalization == "LayerNorm"
+    norm = [h, h] if layer_norm else [h]
+    qkv = [h * (q + 2 * gd) // tp, (q + 2 * gd) // tp][: 1 + model.qkv_bias]  # fused QKV, column parallel
     out = [q // tp * h, h][: 1 + bias]  # out projection, row parallel (bias replicated)
-    return [*norm, *qkv, *out, *norm]
+    qk_norms = ([d, d] if layer_norm else [d]) * 2 if model.qk_layernorm else []  # replicated over TP
+    return [*norm, *qkv, *out, *qk_norms, *norm]
 
 
 def _mlp_sizes(h: int, f: int, swiglu: bool, bias: bool, tp: int) -> list[int]:

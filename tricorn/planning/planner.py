@@ -406,8 +406,9 @@ def lean_fit(model: ModelConfig, cluster: Cluster, global_batch: int, precision:
 
 
 def family_member(base: ModelConfig, hidden: int, layers: int) -> ModelConfig:
-    """The preset's family at another size: same head dim, key/value groups, ffn ratio (rounded to 256), vocab."""
-    heads = hidden // base.head_dim
+    """The preset's family at another size: same head dim, heads per hidden unit (hidden / heads is the head dim
+    unless --kv-channels sets another), key/value groups, ffn ratio (rounded to 256), vocab."""
+    heads = max(1, hidden * base.num_attention_heads // base.hidden_size)
     kv = min(base.kv_heads, heads) if base.group_query_attention else heads
     ffn = int(round(base.ffn_size / base.hidden_size * hidden / 256)) * 256
     return dataclasses.replace(

@@ -311,7 +311,9 @@ def model_args(name: str, model) -> list[str]:
     args += ["--ffn-hidden-size", str(model.ffn_size), "--num-attention-heads", str(model.num_attention_heads)]
     if model.group_query_attention:
         args += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
-    for flag in ("swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights"):
+    if model.kv_channels:
+        args += ["--kv-channels", str(model.kv_channels)]
+    for flag in ("swiglu", "disable_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights"):
         if getattr(model, flag):
             args.append("--" + flag.replace("_", "-"))
     if model.num_experts:

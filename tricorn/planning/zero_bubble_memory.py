@@ -17,6 +17,7 @@ element size e:
     w1                  e T h               e T f (2 with SwiGLU) / t
     w2                  e T f / t           e T h
     each of two norms   4 T h / t under SP (T h without): the fp32 product of output gradient and normalised input
+    q and k norms       4 T (q + g d) / t (--qk-layernorm: the same product over this rank's heads)
 
 and the head, on the chunk that holds it, e T h + e T V / t (its logit gradient), with the final norm. An MoE
 layer's MLP rows are the shared expert's (a dense MLP of its width) and the routed experts' loop of GEMMs: w1 and
@@ -116,9 +117,11 @@ def layer_deferred(model: ModelConfig, layout: Layout, layer_id: int) -> list[De
         shared = model.moe_shared_expert_intermediate_size
         mlp = _mlp(e, tokens, h, shared, model.swiglu, tp) if shared else []
         mlp += _routed_experts(model, layout, e, tokens) if experts_defer(layout) else []
-    attention = [_linear(e, tokens, q / tp, h, h * q / tp), _linear(e, tokens, h, (q + 2 * gd) / tp, (q + 2 * gd) / tp * h)]
+    wo, qkv = _linear(e, tokens, q / tp, h, h * q / tp), _linear(e, tokens, h, (q + 2 * gd) / tp, (q + 2 * gd) / tp * h)
     norm = [_norm(model, layout, tokens)] if norms_defer(layout) else []
-    return mlp + norm + attention + norm
+    # --qk-layernorm: the k and q per-head norms (this rank's heads, the whole sequence), between wo and QKV
+    qk = [Deferred(4 * tokens * heads / tp * model.head_dim, model.head_dim) for heads in (model.kv_heads, q // model.head_dim)]
+    return mlp + norm + [wo] + (qk if model.qk_layernorm and norms_defer(layout) else []) + [qkv] + norm
 
 
 def _chunk_queue(model: ModelConfig, layout: Layout, layer_ids: range, head: bool) -> list[Deferred]:

@@ -1,7 +1,7 @@
-"""Hugging Face Llama <-> tricorn checkpoints: `tricorn import-hf` and `tricorn export-hf`.
+"""Hugging Face <-> tricorn checkpoints: `tricorn import-hf` and `tricorn export-hf`.
 
-import-hf reads a LlamaForCausalLM directory (config.json plus one or many
-*.safetensors files; Llama 2, 3 and 3.1 with rope_scaling "llama3", tied or
+import-hf reads a directory of any family of hf_config.FAMILIES (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3,
+Mixtral, Qwen3-MoE: config.json of transformers 4 or 5 plus the *.safetensors files its index names, tied or
 untied, any float dtype) and writes a weights-only tricorn checkpoint,
 `SAVE/iter_0000000`, with every tensor under its global name and shape, so it
 loads at any TP/PP/DP layout through `--load`. Training from it starts at
@@ -10,8 +10,8 @@ export-hf reads a checkpoint of any layout and writes safetensors shards with
 their index, config.json and the tokenizer files (hf_tokenizer_files.py: import-hf keeps them
 in SAVE/tokenizer/ and its printed command reads them).
 
-The mapping of configs and tensors (exact, so a round trip is bit-exact) is
-in hf_mapping.py.
+The mapping of configs (hf_config.py: every config.json key read, checked, ignored or refused) and of tensors
+(hf_mapping.py: exact, so a round trip is bit-exact).
 
 Memory: both directions stream, one tensor at a time. The import writes through
 DCP with a planner that builds each tricorn tensor when the writer asks for it;
@@ -47,12 +47,12 @@ from tricorn.checkpoint.interop.convert import (  # noqa: F401 - read_model_conf
     run_command,
     write_checkpoint,
 )
+from tricorn.checkpoint.interop.hf_config import FAMILIES, family_of
 from tricorn.checkpoint.interop.hf_mapping import (
     ConvertError,
     Mapped,
-    expected_shape,
+    export_family,
     fuse,
-    fused_shape,
     hf_config_from_model,
     model_config_from_hf,
     model_flags,
@@ -81,14 +81,36 @@ def read_hf_config(hf_dir: Path) -> dict:
         raise ConvertError(f"{path} is not valid JSON ({e})") from None
 
 
+def safetensors_files(hf_dir: Path) -> list[Path]:
+    """The model's safetensors files: those its index names (each must exist), else model.safetensors, else every
+    *.safetensors file (a directory may also hold other formats' files, such as Mistral's consolidated.safetensors)."""
+    index = hf_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConvertError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
+        missing = [n for n in names if not (hf_dir / n).is_file()]
+        if missing:
+            raise ConvertError(
+                f"{index} names shard {missing[0]!r} ({len(missing)} of {len(names)} missing), which is not in {hf_dir}; "
+                "download every shard the index lists"
+            )
+        return [hf_dir / n for n in names]
+    if (hf_dir / "model.safetensors").is_file():
+        return [hf_dir / "model.safetensors"]
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ConvertError(f"no *.safetensors files in {hf_dir}; import-hf reads safetensors checkpoints only")
+    return files
+
+
 @contextlib.contextmanager
 def open_safetensors(hf_dir: Path) -> Iterator[dict[str, Any]]:
     """Hugging Face tensor name -> the open safetensors file holding it (headers only are read here)."""
     from safetensors import safe_open
 
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise ConvertError(f"no *.safetensors files in {hf_dir}; import-hf reads safetensors checkpoints only")
+    files = safetensors_files(hf_dir)
     with contextlib.ExitStack() as stack:
         where: dict[str, Any] = {}
         for path in files:
@@ -106,13 +128,13 @@ def _check_tensors(where: dict[str, Any], plan: list[Mapped], m: ModelConfig, hf
     dtypes: dict[str, torch.dtype] = {}
     for mapped in plan:
         kinds = set()
-        for part in mapped.parts:
+        for part, expected in zip(mapped.parts, mapped.shapes):
             if part not in where:
                 raise ConvertError(f"{hf_dir}: tensor {part!r} is missing from the safetensors files (config.json expects it)")
             info = where[part].get_slice(part)
             shape, dtype = tuple(info.get_shape()), info.get_dtype()
-            if shape != expected_shape(part, m):
-                raise ConvertError(f"{hf_dir}: tensor {part!r} has shape {shape}, config.json implies {expected_shape(part, m)}")
+            if shape != expected:
+                raise ConvertError(f"{hf_dir}: tensor {part!r} has shape {shape}, config.json implies {expected}")
             if dtype not in _SAFETENSORS_DTYPES:
                 raise ConvertError(f"{hf_dir}: tensor {part!r} has dtype {dtype}; import-hf reads F32, BF16 and F16")
             kinds.add(dtype)
@@ -127,34 +149,38 @@ def _check_tensors(where: dict[str, Any], plan: list[Mapped], m: ModelConfig, hf
 
 
 def import_hf(hf_dir: Path, save: Path, console=print) -> Path:
-    """Write HF_DIR's Llama as SAVE/iter_0000000 (weights only); returns the checkpoint directory."""
+    """Write HF_DIR's model (any family of hf_config.FAMILIES) as SAVE/iter_0000000 (weights only); returns the
+    checkpoint directory."""
     hf_dir, save = Path(hf_dir), Path(save)
-    m = model_config_from_hf(read_hf_config(hf_dir), str(hf_dir / "config.json"))
+    hf = read_hf_config(hf_dir)
+    m = model_config_from_hf(hf, str(hf_dir / "config.json"))
     check_new_save(save)
-    tokenizer = keep_tokenizer(hf_dir, save, m.vocab_size, console)  # SAVE/tokenizer/, and the flags that read it
-    data = (
-        DataConfig(tokenizer_type=tokenizer[0], tokenizer_model=str(Path(tokenizer[1]).resolve())) if tokenizer else DataConfig()
-    )
-    plan = tensor_map(m)
+    plan = tensor_map(m, family_of(hf, str(hf_dir / "config.json")))
     start = time.perf_counter()
     with open_safetensors(hf_dir) as where:
         dtypes = _check_tensors(where, plan, m, hf_dir)
+        # Only now, with every tensor checked, is anything written: a refused import leaves SAVE as it was.
+        tokenizer = keep_tokenizer(hf_dir, save, m.vocab_size, console)  # SAVE/tokenizer/, and the flags that read it
+        data = DataConfig()
+        if tokenizer:
+            data = DataConfig(tokenizer_type=tokenizer[0], tokenizer_model=str(Path(tokenizer[1]).resolve()))
         by_key = {f"model.{mp.name}": mp for mp in plan}
 
         def build(key: str) -> torch.Tensor:
             mp = by_key[key]
-            return fuse(mp.kind, [where[p].get_tensor(p) for p in mp.parts], m)
+            return fuse(mp, [where[p].get_tensor(p) for p in mp.parts], m)
 
         # Meta tensors describe names, shapes and dtypes for DCP's plan; the data comes from build().
-        state = {k: torch.empty(fused_shape(mp, m), dtype=dtypes[mp.name], device="meta") for k, mp in by_key.items()}
+        state = {k: torch.empty(mp.shape, dtype=dtypes[mp.name], device="meta") for k, mp in by_key.items()}
         params_dtype = {v: k for k, v in DTYPES.items()}[dtypes["tok_embeddings.weight"]]
         meta = import_meta(0, params_dtype, f"huggingface:{hf_dir.resolve()}")
         final = write_checkpoint(save, state, build, meta, dump_yaml(Config(model=m, data=data)))
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     seconds = time.perf_counter() - start
     console(f"imported {len(state)} tensors ({nbytes / 1e9:.2f} GB, {params_dtype}) from {hf_dir} into {final} in {seconds:.1f}s")
-    flags = model_flags(m) + tokenizer_flags(tokenizer)
-    console(f"train from it with: --load {save} {' '.join(flags)} (and --seq-length up to {m.max_positions})")
+    tok = tokenizer_flags(tokenizer)
+    console(f"train from it with: --load {save} {' '.join(model_flags(m) + tok)} (and --seq-length up to {m.max_positions})")
+    console(f"or take the model flags from the checkpoint: {' '.join(['--load', str(save), '--use-checkpoint-args', *tok])}")
     return final
 
 
@@ -184,19 +210,17 @@ class _Source:
         return int(torch.Size(self.shape).numel()) * dtype.itemsize
 
 
-def _sources(ckpt: Path, md, m: ModelConfig, dtype: Optional[torch.dtype]) -> tuple[list[_Source], torch.dtype]:
+def _sources(ckpt: Path, md, plan: list[Mapped], dtype: Optional[torch.dtype]) -> tuple[list[_Source], torch.dtype]:
     """What to read for each tensor, and the export dtype (default: the parameters' dtype)."""
     entries = md.state_dict_metadata
     out: list[_Source] = []
-    for mp in tensor_map(m):
+    for mp in plan:
         key = f"model.{mp.name}"
         entry = entries.get(key)
         if entry is None or not hasattr(entry, "size"):
             raise io.CheckpointError(f"checkpoint {ckpt} lacks tensor {key!r}; its config.yaml describes another model")
-        if tuple(entry.size) != fused_shape(mp, m):
-            raise io.CheckpointError(
-                f"checkpoint tensor {key!r} has shape {tuple(entry.size)}, config.yaml implies {fused_shape(mp, m)}"
-            )
+        if tuple(entry.size) != mp.shape:
+            raise io.CheckpointError(f"checkpoint tensor {key!r} has shape {tuple(entry.size)}, config.yaml implies {mp.shape}")
         master = entries.get(f"optim.{mp.name}.master")
         # fp32 export of a mixed-precision run: the exact fp32 master weights, not the rounded parameters.
         if dtype == torch.float32 and master is not None:
@@ -240,23 +264,22 @@ def export_hf(
     tokenizer: Optional[Path] = None,
     max_shard_bytes: int = 5 * 10**9,
     console=print,
+    architecture: Optional[str] = None,
 ) -> Path:
-    """Write checkpoint `load` (any layout) as a LlamaForCausalLM directory `output`, streaming one tensor at a time."""
+    """Write checkpoint `load` (any layout) as a Hugging Face directory `output` of `architecture` (default: the family
+    the model's features name, hf_config.export_family), streaming one tensor at a time."""
     from safetensors.torch import save_file
 
     load, output = Path(load), Path(output)
     ckpt = find_checkpoint_dir(load, ckpt_step)
     meta = io.read_meta(ckpt)
     m = read_model_config(ckpt)
-    if m.num_experts is not None:
-        raise ConvertError(
-            f"{ckpt} is a mixture-of-experts model (--num-experts {m.num_experts}); export-hf writes dense Llama only"
-        )
+    family = export_family(m, architecture)
     md = io.read_dcp_metadata(ckpt)
     io.check_files(ckpt, md)
-    sources, out_dtype = _sources(ckpt, md, m, dtype)
+    sources, out_dtype = _sources(ckpt, md, tensor_map(m, family), dtype)
     token_files = export_tokenizer_files(load, ckpt, Path(tokenizer) if tokenizer else None)
-    config = hf_config_from_model(m, out_dtype, _special_token_ids(token_files))
+    config = hf_config_from_model(m, out_dtype, _special_token_ids(token_files), family.architecture)
     if output.exists() and any(output.iterdir()):
         raise ConvertError(f"--output {output} exists and is not empty; remove it or pick a new directory")
     start = time.perf_counter()
@@ -270,7 +293,7 @@ def export_hf(
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         tensors: dict[str, torch.Tensor] = {}
         for src in shard:  # one checkpoint tensor in memory besides the shard being assembled
-            parts = split(src.mapped.kind, read_one(ckpt, src.key, src.shape, src.dtype).to(out_dtype), m)
+            parts = split(src.mapped, read_one(ckpt, src.key, src.shape, src.dtype).to(out_dtype), m)
             tensors.update(zip(src.mapped.parts, parts))
         save_file(tensors, str(tmp / name), metadata={"format": "pt"})
         fsync_file(tmp / name)  # durable before the directory is renamed into place, like a checkpoint
@@ -288,7 +311,7 @@ def export_hf(
     os.replace(tmp, output)
     seconds = time.perf_counter() - start
     console(
-        f"exported {len(weight_map)} tensors ({total / 1e9:.2f} GB, {config['torch_dtype']}) of {ckpt} "
+        f"exported {len(weight_map)} tensors ({total / 1e9:.2f} GB, {config['torch_dtype']}) of {ckpt} as {family.architecture} "
         f"(iteration {meta['iteration']}) to {output} in {len(shards)} shard(s), {seconds:.1f}s"
     )
     return output
@@ -299,7 +322,7 @@ def export_hf(
 
 def import_main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="tricorn import-hf", description="Hugging Face LlamaForCausalLM (safetensors) -> tricorn checkpoint."
+        prog="tricorn import-hf", description=f"Hugging Face {', '.join(FAMILIES)} (safetensors) -> tricorn checkpoint."
     )
     parser.add_argument("--input", required=True, type=Path, help="Hugging Face model directory (config.json, *.safetensors).")
     parser.add_argument("--save", required=True, type=Path, help="New checkpoint directory; train with --load on it.")
@@ -309,7 +332,7 @@ def import_main(argv: Optional[list[str]] = None) -> int:
 
 def export_main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="tricorn export-hf", description="tricorn checkpoint (any layout) -> Hugging Face LlamaForCausalLM (safetensors)."
+        prog="tricorn export-hf", description="tricorn checkpoint (any layout) -> Hugging Face safetensors directory."
     )
     parser.add_argument(
         "--load", required=True, type=Path, help="A --save directory (its latest checkpoint) or an iter_N directory."
@@ -325,6 +348,12 @@ def export_main(argv: Optional[list[str]] = None) -> int:
         help="Directory of Hugging Face tokenizer files (or one file) to copy (default: the checkpoint's).",
     )
     parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors shard (default 5GB, like save_pretrained).")
+    parser.add_argument(
+        "--architecture",
+        choices=list(FAMILIES),
+        help="The family to write (default: Llama, Qwen2, Qwen3, Mixtral or Qwen3-MoE, as the model's features say; "
+        "MistralForCausalLM is a Llama's math under Mistral's name).",
+    )
     args = parser.parse_args(argv)
     try:
         max_bytes = parse_size(args.max_shard_size)
@@ -332,4 +361,6 @@ def export_main(argv: Optional[list[str]] = None) -> int:
         print(f"tricorn: error: {e}", file=sys.stderr)
         return 2
     dtype = DTYPES[args.dtype] if args.dtype else None
-    return run_command(export_hf, args.load, args.output, args.ckpt_step, dtype, args.tokenizer, max_bytes)
+    return run_command(
+        export_hf, args.load, args.output, args.ckpt_step, dtype, args.tokenizer, max_bytes, architecture=args.architecture
+    )

@@ -73,7 +73,8 @@ def megatron_args(m: ModelConfig, saved: dict, fmt: str, iteration: int, tp: int
         norm_epsilon=m.norm_epsilon,
         swiglu=m.swiglu,
         add_bias_linear=not m.disable_bias_linear,
-        add_qkv_bias=not m.disable_bias_linear,
+        add_qkv_bias=m.qkv_bias,
+        qk_layernorm=m.qk_layernorm,
         untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
@@ -183,7 +184,8 @@ def _write_dist(it_dir: Path, iteration: int, entries: list[Entry], m: ModelConf
         by_key.setdefault(e.dist, []).append(e)
     objects = {COMMON_KEY: [common]}  # megatron-core 0.19 wraps each saved object in a one-element list
     # Each linear layer's `_extra_state` (None without Transformer Engine's FP8 state): Megatron's loader asks for them.
-    for key in (k for k in by_key if by_key[k][0].layer is not None and k.endswith(".weight") and "layer_norm" not in k):
+    linears = (k for k in by_key if by_key[k][0].layer is not None and k.endswith(".weight") and "norm" not in k.split(".")[-2])
+    for key in linears:
         for i in range(m.num_layers):
             objects[f"{key.removesuffix('.weight')}._extra_state/shard_{i}_{m.num_layers}"] = [None]
     blobs = {}

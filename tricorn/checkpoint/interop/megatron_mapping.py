@@ -31,7 +31,6 @@ REFUSED_ARCH: dict[str, tuple[Any, str]] = {
     "multi_latent_attention": (False, "multi-latent attention (--multi-latent-attention)"),
     "is_hybrid_model": (False, "a hybrid Mamba model"),
     "hybrid_override_pattern": (None, "a hybrid Mamba model (--hybrid-override-pattern)"),
-    "qk_layernorm": (False, "QK layernorm (--qk-layernorm)"),
     "apply_layernorm_1p": (False, "zero-centred norms (--apply-layernorm-1p)"),
     "rotary_interleaved": (False, "interleaved RoPE (--rotary-interleaved)"),
     "squared_relu": (False, "squared ReLU (--squared-relu)"),
@@ -60,10 +59,8 @@ def model_config_from_args(args: dict, where: str) -> ModelConfig:
     if _arg(args, "normalization", "LayerNorm") not in ("RMSNorm", "LayerNorm"):
         refused.append(f"--normalization {args['normalization']}")
     h, heads = args["hidden_size"], args["num_attention_heads"]
-    if _arg(args, "kv_channels") not in (None, h // heads):
-        refused.append(f"--kv-channels {args['kv_channels']} != hidden / heads = {h // heads}")
-    if _arg(args, "add_qkv_bias") and not _arg(args, "add_bias_linear", True):
-        refused.append("a QKV bias without the other biases (--add-qkv-bias)")
+    if _arg(args, "kv_channels") is None and h % heads:
+        refused.append(f"--hidden-size {h} not divisible by --num-attention-heads {heads} without --kv-channels")
     if refused:
         raise ConvertError(f"{where}: unsupported Megatron architecture: {'; '.join(refused)}")
     gqa = bool(_arg(args, "group_query_attention")) and _arg(args, "num_query_groups") not in (None, heads)
@@ -75,6 +72,8 @@ def model_config_from_args(args: dict, where: str) -> ModelConfig:
         num_attention_heads=heads,
         num_query_groups=args["num_query_groups"] if gqa else None,
         group_query_attention=gqa,
+        kv_channels=args["kv_channels"] if _arg(args, "kv_channels") not in (None, h // heads) else None,
+        qk_layernorm=bool(args.get("qk_layernorm")),
         seq_length=args["seq_length"],
         max_position_embeddings=args.get("max_position_embeddings") or args["seq_length"],
         position_embedding_type="rope" if rope else "learned_absolute",
@@ -87,6 +86,7 @@ def model_config_from_args(args: dict, where: str) -> ModelConfig:
         norm_epsilon=float(args.get("norm_epsilon") or 1e-5),
         swiglu=bool(args.get("swiglu")),
         disable_bias_linear=not args.get("add_bias_linear", True),
+        add_qkv_bias=bool(args.get("add_qkv_bias")),
         untie_embeddings_and_output_weights=bool(args.get("untie_embeddings_and_output_weights")),
         hidden_dropout=float(args.get("hidden_dropout", 0.1)),
         attention_dropout=float(args.get("attention_dropout", 0.1)),
@@ -183,13 +183,17 @@ class Entry:
 
 
 _LAYER = (
-    # tricorn suffix, torch_dist suffix, legacy suffix, TP dim, needs bias, is fc1
+    # tricorn suffix, torch_dist suffix, legacy suffix, TP dim, when present (see _present), is fc1
     ("attention_norm.weight", "self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight", None, False, False),
     ("attention_norm.bias", "self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias", None, "norm", False),
     ("attention.wqkv.weight", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.weight", 0, False, False),
-    ("attention.wqkv.bias", "self_attention.linear_qkv.bias", "self_attention.linear_qkv.bias", 0, True, False),
+    ("attention.wqkv.bias", "self_attention.linear_qkv.bias", "self_attention.linear_qkv.bias", 0, "qkv", False),
     ("attention.wo.weight", "self_attention.linear_proj.weight", "self_attention.linear_proj.weight", 1, False, False),
     ("attention.wo.bias", "self_attention.linear_proj.bias", "self_attention.linear_proj.bias", None, True, False),
+    ("attention.q_layernorm.weight", "self_attention.q_layernorm.weight", "self_attention.q_layernorm.weight", None, "qk", False),
+    ("attention.q_layernorm.bias", "self_attention.q_layernorm.bias", "self_attention.q_layernorm.bias", None, "qk_norm", False),
+    ("attention.k_layernorm.weight", "self_attention.k_layernorm.weight", "self_attention.k_layernorm.weight", None, "qk", False),
+    ("attention.k_layernorm.bias", "self_attention.k_layernorm.bias", "self_attention.k_layernorm.bias", None, "qk_norm", False),
     ("mlp_norm.weight", "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight", None, False, False),
     ("mlp_norm.bias", "mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias", None, "norm", False),
     ("mlp.w1.weight", "mlp.linear_fc1.weight", "mlp.linear_fc1.weight", 0, False, True),
@@ -199,6 +203,20 @@ _LAYER = (
 )
 
 
+def _present(when: Any, m: ModelConfig) -> bool:
+    """Whether a layer tensor exists: always (False), a LayerNorm's bias ("norm"), a linear bias (True), the QKV bias
+    ("qkv": also --add-qkv-bias), the per-head q/k norms ("qk": --qk-layernorm; "qk_norm": their LayerNorm bias)."""
+    layer_norm = m.normalization == "LayerNorm"
+    return {
+        False: True,
+        "norm": layer_norm,
+        True: not m.disable_bias_linear,
+        "qkv": m.qkv_bias,
+        "qk": m.qk_layernorm,
+        "qk_norm": m.qk_layernorm and layer_norm,
+    }[when]
+
+
 def tensor_map(m: ModelConfig) -> list[Entry]:
     layer_norm = m.normalization == "LayerNorm"
     out = [Entry("tok_embeddings.weight", "embedding.word_embeddings.weight", "embedding.word_embeddings.weight", None, 0)]
@@ -206,8 +224,8 @@ def tensor_map(m: ModelConfig) -> list[Entry]:
         key = "embedding.position_embeddings.weight"
         out.append(Entry("pos_embeddings.weight", key, key, None, None))
     for i in range(m.num_layers):
-        for ours, dist, legacy, tp_dim, bias, fc1 in _LAYER:
-            if (bias == "norm" and not layer_norm) or (bias is True and m.disable_bias_linear):
+        for ours, dist, legacy, tp_dim, when, fc1 in _LAYER:
+            if not _present(when, m):
                 continue
             kind = "gate_up" if fc1 and m.swiglu else "copy"
             out.append(Entry(f"layers.{i}.{ours}", f"decoder.layers.{dist}", f"decoder.layers.{i}.{legacy}", i, tp_dim, kind))
@@ -236,6 +254,8 @@ def tricorn_shape(e: Entry, m: ModelConfig) -> tuple[int, ...]:
         "mlp.w1.bias": (fc1,),
         "mlp.w2.weight": (h, ffn),
     }
+    if "q_layernorm." in suffix or "k_layernorm." in suffix:
+        return (m.head_dim,)
     return shapes.get(suffix, (h,))
 
 
