@@ -202,9 +202,12 @@ def fp8_weight_mask(model: ModelConfig) -> list[bool]:
     """Which of a dense layer's ``layer_param_sizes`` are FP8 primary weights under --fp8-param-gather: the
     weights of the four linears (QKV, out projection, w1, w2), not the norms or biases."""
     bias = not model.disable_bias_linear
-    norm = [False] * (2 if model.normalization == "LayerNorm" else 1)
-    linear = [True, False][: 1 + bias]
-    return norm + linear + linear + norm + linear + linear
+    layer_norm = model.normalization == "LayerNorm"
+    norm = [False] * (2 if layer_norm else 1)
+    qk_norms = [False] * ((2 if layer_norm else 1) * 2 if model.qk_layernorm else 0)
+    linear = [True, False][: 1 + bias]  # _attention_sizes' and _mlp_sizes' order: weight, then its bias
+    qkv = [True, False][: 1 + model.qkv_bias]
+    return norm + qkv + linear + qk_norms + norm + linear + linear
 
 
 def fp8_primary_elements(model: ModelConfig, layout: Layout, layers: int) -> int:
