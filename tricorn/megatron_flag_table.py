@@ -302,15 +302,14 @@ REFUSED: dict[str, tuple[str, ...]] = {
     OPTIMIZER: _names(
         """
         optimizer optimizer_offload_fraction apply_wd_to_qk_layernorm no_weight_decay_cond_type decoupled_lr
-        decoupled_min_lr freeze_all_layers use_precision_aware_optimizer main_grads_dtype main_params_dtype
-        exp_avg_dtype exp_avg_sq_dtype
+        decoupled_min_lr freeze_all_layers
         """
     ),
     PRECISION: _names(
         """
         disable_bf16_reduced_precision_matmul fp8_quantizer_factory fp8_margin fp8_interval
         fp8_amax_history_len fp8_amax_compute_algo fp8_wgrad fp8_output_proj first_last_layers_bf16 fp4
-        fp4_param_gather fp8_param_gather te_precision_config_file
+        fp4_param_gather te_precision_config_file
         """
     ),
     PARALLEL: _names(
@@ -430,10 +429,6 @@ FINE: dict[str, Fine] = {
     "dataloader_type": ("single",),  # tricorn's loader is Megatron's pretraining sampler
     "optimizer": ("adam",),  # Megatron's adam is AdamW (decoupled weight decay), as tricorn's
     "moe_router_load_balancing_type": (["aux_loss"],),
-    # fp32 optimizer state, as tricorn's (a saved Megatron args namespace holds the torch dtype)
-    **{
-        name: ("fp32", "torch.float32") for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype", "main_grads_dtype")
-    },
 }
 
 # What FINE's predicates accept, for docs/megatron-flags.md.

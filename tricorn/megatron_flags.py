@@ -35,6 +35,8 @@ from tricorn import megatron_flag_table as table
 ARGS_FILE = Path(__file__).with_name("megatron_args.json")
 PREFIX = "megatron:"  # the parser's dest of a Megatron option tricorn does not define
 IMPLEMENTED, NO_OP, REFUSED = "implemented", "no-op", "refused"
+# A saved args namespace holds the precision-aware optimizer's dtypes as torch dtypes; tricorn's flags name them.
+TORCH_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _TYPES = {"int": int, "float": float, "str": str}
 
 
@@ -243,7 +245,8 @@ def not_reproduced(args: dict) -> list[str]:
         if kind == REFUSED and group_reason(o) in table.MATH and not is_fine(o, value, args):
             out.append(f"{o.flag}{_shown(value) or '=' + str(value)}")
         elif kind == IMPLEMENTED and isinstance(value, str) and o.dest in choices:
-            name = value.rsplit(".", 1)[-1]  # a saved enum reads "Signals.SIGTERM"
+            name = value.rsplit(".", 1)[-1]  # a saved enum reads "Signals.SIGTERM", a dtype "torch.float32"
+            name = TORCH_DTYPE_NAMES.get(name, name)
             if name not in choices[o.dest]:
                 out.append(f"{o.flag}={value}")
     return out

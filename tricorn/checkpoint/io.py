@@ -349,6 +349,7 @@ SCHEDULER_STATE = "opt_param_scheduler"
 OPTIONAL_META: dict[str, tuple[tuple[type, ...], Optional[float]]] = {
     "skipped_train_samples": ((int,), 0),
     "spiky_loss": ((dict,), None),
+    "optimizer_dtypes": ((dict,), None),  # --use-precision-aware-optimizer: each optimizer state's stored dtype
     SCHEDULER_STATE: ((dict, type(None)), None),  # null: none saved on purpose (the schedule starts at sample 0)
 }
 LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "dp")

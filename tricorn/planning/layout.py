@@ -50,6 +50,11 @@ class Layout:
     attention_work: float = 1.0
     per_sample_positions: bool = False
     document_bounds: bool = False  # --reset-attention-mask: the attention's host bounds (compiled: saved, activations.py)
+    fp8_param_gather: bool = False  # --fp8-param-gather: the FP8 linears' weights are stored and gathered in FP8
+    # The precision-aware optimizer (--use-precision-aware-optimizer): the stored dtypes (planning/memory.py)
+    main_params_dtype: str = "fp32"  # master weights: fp32 | fp16 | bf16
+    exp_avg_dtype: str = "fp32"  # Adam's first moment: fp32 | fp16 | bf16
+    exp_avg_sq_dtype: str = "fp32"  # Adam's second moment: fp32 | fp16 | bf16
 
     @property
     def world_size(self) -> int:
@@ -68,6 +73,7 @@ class Layout:
     @classmethod
     def from_config(cls, cfg: Config) -> Layout:
         m, p, t = cfg.model, cfg.parallel, cfg.training
+        aware = t.use_precision_aware_optimizer
         return cls(
             tp=p.tensor_model_parallel_size,
             pp=p.pipeline_model_parallel_size,
@@ -84,7 +90,7 @@ class Layout:
             recompute_modules=tuple(m.recompute_modules or ()),
             zero_stage=p.zero_stage_in_effect,  # --zero-stage 2/3 alone is ZeRO-2/3, as the trainer runs it
             precision=cfg.param_dtype_name,
-            grads_16bit=p.grad_reduce_in_bf16 and cfg.param_dtype_name != "fp32",
+            grads_16bit=(p.grad_reduce_in_bf16 or (aware and t.main_grads_dtype == "bf16")) and cfg.param_dtype_name != "fp32",
             schedule=p.pipeline_schedule,
             first_stage_layers=p.decoder_first_pipeline_num_layers,
             last_stage_layers=p.decoder_last_pipeline_num_layers,
@@ -101,4 +107,8 @@ class Layout:
             attention_work=attention_work(m.seq_length, m.attention_window),  # the documents are not known here
             per_sample_positions=cfg.data.reset_position_ids,
             document_bounds=cfg.data.reset_attention_mask,
+            fp8_param_gather=bool(t.fp8_format) and t.fp8_param_gather and m.transformer_impl == "local",
+            main_params_dtype=t.main_params_dtype if aware else "fp32",
+            exp_avg_dtype=t.exp_avg_dtype if aware else "fp32",
+            exp_avg_sq_dtype=t.exp_avg_sq_dtype if aware else "fp32",
         )

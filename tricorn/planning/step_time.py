@@ -21,7 +21,7 @@ runs by tricorn/planning/calibration.py and stored in tricorn/planning/data/step
   given, the rest split evenly; the last also runs the head); the pipeline takes t * (M + (PP - 1) / V) for M
   microbatches and V virtual stages (the bubble), plus the point-to-point sends.
 - DP: gradients are reduce-scattered (distributed optimizer) or all-reduced, and ZeRO-1/2 all-gather the
-  16-bit parameters after the optimizer step, at ``network`` x the network rate when the group leaves the node.
+  16-bit parameters after the optimizer step (the four linears' weights in FP8 with --fp8-param-gather, half the bytes), at ``network`` x the network rate when the group leaves the node.
   With --overlap-grad-reduce the reduction hides behind the backward except the last layer's bucket; with
   --overlap-param-gather the gather hides behind the first forward likewise. ZeRO-2 reduces every microbatch.
   ZeRO-3 gathers each layer's parameters in forward and again in backward and reduce-scatters its gradients,
@@ -45,7 +45,13 @@ from tricorn.planning.context_comm import cp_traffic
 from tricorn.planning.efficiency import Efficiency, efficiency_for
 from tricorn.planning.hardware import GPUSpec
 from tricorn.planning.layout import Layout
-from tricorn.planning.memory import activation_element_bytes, stage_layer_counts, stage_params_per_rank
+from tricorn.planning.memory import (
+    FP8_PARAM_BYTES,
+    activation_element_bytes,
+    fp8_primary_elements,
+    stage_layer_counts,
+    stage_params_per_rank,
+)
 
 HALF_DIM = 128  # a GEMM or attention block this small in its smallest dimension runs at half its large-size speed
 ELEMENTWISE_OVERHEAD = 0.15
@@ -239,10 +245,11 @@ def _dp_time(
     params = stage_params_per_rank(model, lay, 0, layers)
     grad_bytes = 2 if lay.grads_16bit else 4
     param_bytes = 2 if lay.precision != "fp32" else 4
+    fp8 = fp8_primary_elements(model, lay, layers)  # --fp8-param-gather: these gather at FP8_PARAM_BYTES
     link = _link(cluster, lay.tp, shard)
     frac = (shard - 1) / shard
     rs = frac * params * grad_bytes / link
-    ag = frac * params * param_bytes / link
+    ag = frac * ((params - fp8) * param_bytes + fp8 * FP8_PARAM_BYTES) / link
     m, n = lay.num_microbatches, max(layers, 1)
     bwd_window = per_mb * 2 / 3 if features.overlap_grad_reduce else 0.0
     fwd_window = per_mb / 3 if features.overlap_param_gather else 0.0

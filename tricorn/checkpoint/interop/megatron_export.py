@@ -123,8 +123,11 @@ def export_megatron(
     start = time.perf_counter()
 
     def megatron_tensor(e: Entry) -> torch.Tensor:
-        entry = keys[f"model.{e.name}"]  # the parameters in their own dtype, as Megatron saves its model
-        return to_megatron(e.kind, read_one(ckpt, f"model.{e.name}", tuple(entry.size), entry.properties.dtype))
+        # The parameters in the model's dtype, as Megatron saves its model (an --fp8-param-gather run saved its FP8
+        # weights as their fp32 masters: cast to the dtype of the rest, which Megatron's parameters share).
+        entry = keys[f"model.{e.name}"]
+        value = read_one(ckpt, f"model.{e.name}", tuple(entry.size), entry.properties.dtype)
+        return to_megatron(e.kind, value.to(keys[f"model.{entries[0].name}"].properties.dtype))
 
     iteration = int(meta["iteration"])
     args = megatron_args(m, _saved_config(ckpt), fmt, iteration, tp)
