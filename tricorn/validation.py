@@ -18,6 +18,7 @@ from tricorn.data.skip_samples import skip_samples_errors
 from tricorn.parallel.batch_schedule import validate_rampup
 from tricorn.parallel.compile import validate_compile
 from tricorn.parallel.fp8 import validate_fp8
+from tricorn.parallel.offload import validate_offload
 from tricorn.parallel.pipeline.stages import validate_pipeline
 from tricorn.parallel.recompute import validate_recompute
 from tricorn.parallel.te import validate_te
@@ -113,6 +114,7 @@ def validate(cfg: Config) -> list[str]:
             validate_pipeline(cfg)
             + validate_rampup(cfg)
             + validate_recompute(cfg)
+            + validate_offload(cfg)
             + validate_moe(cfg)
             + validate_compile(cfg)
             + validate_fp8(cfg)

@@ -43,6 +43,8 @@ class Layout:
     transformer_impl: str = "local"  # --transformer-impl
     fp8_recipe: Optional[str] = None  # the FP8 recipe in effect (planning/fp8_terms.py); None: no FP8
     fp8_inputs: bool = False  # native FP8, tensorwise: the linears keep FP8 copies of their inputs (activations.py)
+    offload_layers: int = 0  # --cpu-offloading-num-layers: each chunk's first N layers save to host (stage_activations.py)
+    optimizer_offload: bool = False  # --optimizer-cpu-offload: master weights and Adam moments in host memory
 
     @property
     def world_size(self) -> int:
@@ -91,4 +93,6 @@ class Layout:
             if t.fp8_format
             else None,
             fp8_inputs=bool(t.fp8_format) and m.transformer_impl == "local" and (t.fp8_recipe or "tensorwise") == "tensorwise",
+            offload_layers=m.cpu_offloading_num_layers,
+            optimizer_offload=p.optimizer_cpu_offload,
         )

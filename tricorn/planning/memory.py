@@ -29,6 +29,7 @@ No collectives, no device work.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, astuple, dataclass, field
 from typing import Optional
 
@@ -49,16 +50,24 @@ from tricorn.planning.activations import (  # noqa: F401 - re-exported: the esti
     microbatches_in_flight,
     moe_backward_workspace,
     other_saved_bytes,
-    stage_activation_bytes,
 )
 from tricorn.planning.context_comm import cp_transient_bytes
 from tricorn.planning.fp8_terms import fp8_terms
 from tricorn.planning.layout import Layout
+from tricorn.planning.stage_activations import (  # noqa: F401 - stage_activation_bytes re-exported
+    offload_host_bytes,
+    stage_activation_bytes,
+    stage_units,
+)
 from tricorn.planning.zero_bubble_memory import experts_defer, zero_bubble_activation_peak
 
 GiB = 1024**3
 CUDA_OVERHEAD_BYTES = 1 * GiB
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32
+# --optimizer-cpu-offload, per owned element in host memory (parallel/shard_state.py): the fp32 master (a copy
+# even of fp32 parameters), both moments, and the fp32 gradient it is copied into; on CUDA also the pinned
+# 16-bit staging copy the new values go back to the device from.
+OFFLOADED_BYTES_PER_ELEMENT = 4 + ADAM_STATE_BYTES + 4
 
 
 # ---------------------------------------------------------------- model state
@@ -277,6 +286,7 @@ class MemoryEstimate:
     fp8_bytes: float = 0.0  # FP8 weight caches (or saved FP8 weights under ZeRO-3) and scaling state
     grad_buffer_bytes: float = 0.0  # of buffer_bytes: transient gradient buckets (``zero_backward_peak``)
     param_buffer_bytes: float = 0.0  # of buffer_bytes: ZeRO-3's gathered layers
+    host_bytes: float = 0.0  # host memory, not in the total: the offloaded optimizer state and activations
 
     def peak_by_kind(self) -> dict[str, float]:
         """The peak split as `tricorn simulate` measures it: buffers go to what they hold (Buffers)."""
@@ -444,6 +454,13 @@ def estimate(
         n_experts = stage_expert_params_per_rank(model, layout, n_layers)
         # The distributed optimizer shards the routed experts over expert-DP (DP x CP / EP), the rest over DP x CP.
         state = state_of(n_params - n_experts, shard) + state_of(n_experts, shard // layout.ep)
+        host = offload_host_bytes(model, layout, stage, n_layers, profile)
+        if layout.optimizer_offload:  # master weights and moments (and the step's staging copies) in host memory
+            owned = (
+                state_of(n_params - n_experts, shard).optimizer_state + state_of(n_experts, shard // layout.ep).optimizer_state
+            )
+            host += owned / o_b * (OFFLOADED_BYTES_PER_ELEMENT + (p_b if layout.device == "cuda" else 0))
+            state = dataclasses.replace(state, master_params=0.0, optimizer_state=0.0)
         # The stage's first MoE layer backward: its workspace, where the last stage's loss part is released.
         # Likewise a layer's CP attention buffers in flight (context_comm.py: K/V pairs, fp32 accumulators).
         zero_bubble = layout.pp > 1 and layout.schedule in ZERO_BUBBLE
@@ -454,9 +471,11 @@ def estimate(
             zb = zero_bubble_activation_peak(model, layout, stage, n_layers, profile, sum(layers[:stage]), workspace)
             activations, logits = zb.activations - zb.loss_part, zb.loss_part
         else:
-            activations = stage_activation_bytes(model, layout, stage, n_layers, profile)
+            held = stage_units(model, layout, stage, n_layers, profile)
+            activations = held.kept * microbatches_in_flight(layout, stage) + held.rebuilt
             logits = embedding_logits_bytes(model, layout, stage, profile)
-            activations += max(0.0, workspace - loss_part_bytes(model, layout, stage, profile))
+            # A layer's backward workspace, and offloaded layers brought back, come after the loss part is freed.
+            activations += max(0.0, workspace + held.returned - loss_part_bytes(model, layout, stage, profile))
         fp8 = fp8_terms(model, layout, n_layers, microbatches_in_flight(layout, stage))
         activations += fp8.activation_delta * n_layers * microbatches_in_flight(layout, stage)
         buffers = _forward_peak_buffers(model, layout, stage, n_layers)
@@ -478,6 +497,7 @@ def estimate(
             param_buffer_bytes=buffers.parameters,
             overhead_bytes=CUDA_OVERHEAD_BYTES if layout.device == "cuda" else 0.0,
             fp8_bytes=fp8.held,
+            host_bytes=host,
             microbatches_in_flight=microbatches_in_flight(layout, stage),
             activation_bytes_per_layer=layout_layer_bytes(model, layout, profile) if n_layers else 0.0,
             activation_bytes_other=other_saved_bytes(model, layout, stage, profile),
