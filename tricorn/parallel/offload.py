@@ -243,10 +243,10 @@ class _Group:
         with self.streams.on_side(after_compute=True):
             for s in stored:
                 s.offload()
+        self.pending = [s for s in stored if s.host is not None]  # the rest stayed (emptied in place, refilled later)
         event = self.streams.done()
-        for s in stored:
+        for s in self.pending:
             s.event = event
-        self.pending = [s for s in stored if s.host is not None]
 
     def reload(self) -> None:
         """Bring the storages back (once): on the side stream, the compute stream waits for the event."""
