@@ -155,9 +155,10 @@ class _Streams:
 # ---------------------------------------------------------------- one storage, one saved tensor, one layer
 
 
-def _flat(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    """All bytes of ``storage`` as a 1-D uint8 tensor (a view: no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage of ``t`` as a 1-D tensor of its dtype (a view: no copy). Views are made with as_strided,
+    not set_: FakeTensorMode's dispatch cache keeps every storage handed to set_ alive (`tricorn simulate`)."""
+    return t.detach().as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
 
 
 class _Stored:
@@ -167,7 +168,7 @@ class _Stored:
     __slots__ = ("device", "host", "event", "streams")
 
     def __init__(self, device: torch.Tensor, streams: _Streams):
-        self.device: Optional[torch.Tensor] = device  # a flat uint8 view of the storage, or what came back
+        self.device: Optional[torch.Tensor] = device  # a flat view of the whole storage, or what came back
         self.host: Optional[torch.Tensor] = None
         self.event: Any = None
         self.streams = streams
@@ -177,7 +178,7 @@ class _Stored:
         flat = self.device
         if flat is None or flat.untyped_storage().nbytes() == 0:
             return
-        self.host = pinned.host_empty(flat.numel(), torch.uint8, pinned.pins_host_memory(flat.device))
+        self.host = pinned.host_empty(flat.numel(), flat.dtype, pinned.pins_host_memory(flat.device))
         self.host.copy_(flat, non_blocking=pinned.is_pinned(self.host))
         self.streams.used_on_side(flat)  # the allocator reuses the block only after the side stream's copy
         self.device = None
@@ -185,7 +186,7 @@ class _Stored:
     def reload(self, device: torch.device) -> None:
         if self.device is not None:
             return
-        flat = torch.empty(self.host.numel(), dtype=torch.uint8, device=device)
+        flat = torch.empty(self.host.numel(), dtype=self.host.dtype, device=device)
         self.device = flat.copy_(self.host, non_blocking=pinned.is_pinned(self.host))
         self.streams.used_on_compute(flat)
 
@@ -203,8 +204,9 @@ class _Saved:
     def unpack(self) -> torch.Tensor:
         self.group.reload()  # no-op when the _Boundary already brought it back
         self.group.streams.compute_waits(self.stored.event)
-        storage = self.stored.device.untyped_storage()
-        return torch.empty(0, dtype=self.dtype, device=self.group.device).set_(storage, self.offset, self.size, self.stride)
+        flat = self.stored.device
+        flat = flat if flat.dtype == self.dtype else flat.view(self.dtype)  # another dtype's view of the storage
+        return flat.as_strided(self.size, self.stride, self.offset)
 
 
 class _Group:
@@ -230,7 +232,7 @@ class _Group:
             return (t, tokens)  # kept where it is: parameters, the stage's received input, empty storages
         stored = self.stored.get(storage._cdata)
         if stored is None:
-            stored = self.stored[storage._cdata] = _Stored(_flat(storage, t.device), self.streams)
+            stored = self.stored[storage._cdata] = _Stored(_flat(t), self.streams)
         return _Saved(stored, self, t, tokens)
 
     @staticmethod

@@ -24,7 +24,7 @@ from torch import nn
 
 from tricorn.config import TrainingConfig
 from tricorn.parallel.data_parallel import Bucket
-from tricorn.pinned import host_buffer, is_pinned, pins_host_memory
+from tricorn.pinned import host_buffer, is_pinned, mark_host, pins_host_memory
 
 
 @dataclass
@@ -102,8 +102,9 @@ class ShardState:
             )
             # State created up front as views of the flat moments (AdamW only initialises empty state).
             for m, (_, lo, hi, _) in zip(self.masters, self.entries):
+                step = torch.tensor(0.0, dtype=torch.float32, device=home if self.fused else "cpu")
                 self.adam.state[m] = {
-                    "step": torch.tensor(0.0, dtype=torch.float32, device=home if self.fused else "cpu"),
+                    "step": mark_host(step) if offload else step,  # offloaded: host memory, as the state it counts
                     "exp_avg": self.exp_avg[lo:hi],
                     "exp_avg_sq": self.exp_avg_sq[lo:hi],
                 }
