@@ -227,6 +227,24 @@ class TrainingConfig:
     adam_beta2: float = _f(0.999, "Adam beta2.", bound=PROBABILITY)
     adam_eps: float = _f(1e-8, "Adam epsilon.", bound=POSITIVE)
     clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0 disables).", bound=NON_NEGATIVE)
+    # Precision-aware optimizer (Megatron's flags; docs/distributed-optimizer.md): what the optimizer stores in
+    # which dtype. The AdamW update itself is always computed in fp32.
+    use_precision_aware_optimizer: bool = _f(
+        False, "Store master weights, main grads and Adam moments in the dtypes below (the update is computed in fp32)."
+    )
+    main_grads_dtype: str = _f("fp32", "Gradient accumulation and reduction dtype (bf16 needs --bf16).", choices=["fp32", "bf16"])
+    main_params_dtype: str = _f(
+        "fp32",
+        "Master weights: fp32, fp16 (a copy, stochastically rounded), or bf16 (with --bf16 the bf16 parameters are the "
+        "master, stochastically rounded).",
+        choices=["fp32", "fp16", "bf16"],
+    )
+    exp_avg_dtype: str = _f(
+        "fp32", "Adam's first moment: fp32, bf16 (nearest) or fp16 (per-parameter scale).", choices=["fp32", "fp16", "bf16"]
+    )
+    exp_avg_sq_dtype: str = _f(
+        "fp32", "Adam's second moment: fp32, bf16 (nearest) or fp16 (per-parameter scale).", choices=["fp32", "fp16", "bf16"]
+    )
     seed: int = _f(1234, "Seed of initialisation, data order and dropout.", bound=Bound(lo=0, hi=2**32 - 1))
     bf16: bool = _f(False, "bf16 parameters and compute, fp32 master weights.")
     fp16: bool = _f(False, "fp16 parameters and compute with dynamic loss scaling.")
@@ -242,6 +260,11 @@ class TrainingConfig:
         None,
         "FP8 scaling recipe (default: tensorwise with --transformer-impl local, delayed with transformer_engine).",
         choices=["delayed", "tensorwise", "rowwise", "mxfp8"],
+    )
+    fp8_param_gather: bool = _f(
+        False,
+        "FP8 primary weights: the FP8 linears' weights are stored in FP8, cast once per step from the fp32 master, and "
+        "the distributed optimizer / ZeRO-3 gathers their FP8 bytes.",
     )
     tf32: bool = _f(True, "fp32 runs on CUDA: matmuls and convolutions on TF32 tensor cores.", negate="--no-tf32")
     check_for_nan_in_loss_and_grad: bool = _f(

@@ -18,8 +18,10 @@ from tricorn.data.skip_samples import skip_samples_errors
 from tricorn.parallel.batch_schedule import validate_rampup
 from tricorn.parallel.compile import validate_compile
 from tricorn.parallel.fp8 import validate_fp8
+from tricorn.parallel.fp8_params import validate_fp8_param_gather
 from tricorn.parallel.offload import validate_offload
 from tricorn.parallel.pipeline.stages import validate_pipeline
+from tricorn.parallel.precision import validate_precision
 from tricorn.parallel.recompute import validate_recompute
 from tricorn.parallel.te import validate_te
 
@@ -109,6 +111,8 @@ def validate(cfg: Config) -> list[str]:
         errs.append("--fp8-format needs --bf16 (FP8 GEMMs keep bf16 weights and activations around them)")
     if t.fp8_recipe and not t.fp8_format:
         errs.append(f"--fp8-recipe {t.fp8_recipe} needs --fp8-format e4m3|hybrid (it chooses how FP8 GEMMs are scaled)")
+    errs += validate_precision(cfg)  # the precision-aware optimizer's dtypes
+    errs += validate_fp8_param_gather(cfg)  # FP8 primary weights
     if not errs:  # each feature validates its own flags once the basic shape is sound
         errs += (
             validate_pipeline(cfg)

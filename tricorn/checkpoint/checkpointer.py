@@ -67,13 +67,12 @@ from torch import nn
 from tricorn.checkpoint import io
 from tricorn.checkpoint.checksums import file_checksums
 from tricorn.checkpoint.io import CheckpointError
+from tricorn.checkpoint.optim_state import MomentLoad, bound_tensors, saved_fields, state_dtypes, switch_line
 from tricorn.checkpoint.pieces import Piece, owned_parts, owned_tensor
 from tricorn.checkpoint.staging import HostStaging, Staged
 from tricorn.config import Config, dump_yaml
 from tricorn.model.init import INIT_KEY_ATTR, is_expert, is_tp_split
 from tricorn.parallel.state import ParallelState
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _named_params(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
@@ -152,6 +151,7 @@ class Checkpointer:
             "optimizer_step": step.item(),
             "optimizer_iteration": getattr(opt, "iteration", trainer.iteration),
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
+            "optimizer_dtypes": state_dtypes(opt),
             "lr": trainer.current_lr(),
             "layout": self.layout(),
             "saved_at": time.time(),
@@ -178,11 +178,14 @@ class Checkpointer:
             p = ps.param
             if not self._writes(p, opt.opts.distributed):
                 continue
-            fields = MOMENTS + (() if p.dtype == torch.float32 else ("master",))
+            fields = saved_fields(ps)
             for part in owned_parts(names[id(p)], p, ps.start, ps.stop):
                 where = (part.shape, part.pieces)
                 out[f"model.{part.name}"] = (ps.value[part.lo : part.hi], where)
                 out.update({f"optim.{part.name}.{f}": (getattr(ps, f)[part.lo : part.hi], where) for f in fields})
+        # fp16 moments' per-parameter bounds: global scalars, written by one rank of the stage (TP rank 0 of DP x CP rank 0)
+        one = self.state.tp_rank == 0 and dist.get_rank(self.state.dp_cp_group) == 0
+        out.update(bound_tensors(opt, names, lambda p: one and not _is_copy(p)))
         for name, p in _frozen(trainer.chunks):
             if self._writes(p, sharded=False):
                 for part in owned_parts(name, p, 0, p.numel()):
@@ -365,6 +368,7 @@ class Checkpointer:
         owned = {id(ps.param): ps for ps in opt.sharded_param_state()}
         keys = md.state_dict_metadata
         targets: dict[str, Any] = {}
+        moments = MomentLoad(opt, md) if load_optim else None
         for name, p in _named_params(trainer.chunks):
             if not p.requires_grad:
                 for part in owned_parts(name, p, 0, p.numel()):
@@ -379,13 +383,15 @@ class Checkpointer:
                 if weight_key in targets:
                     raise CheckpointError(f"{name} appears twice on one rank (a tied head beside its embedding)")
                 targets[weight_key] = owned_tensor(ps.master[part.lo : part.hi], part.shape, part.pieces)
-                if load_optim:
-                    for f in MOMENTS:
-                        self._check_entry(f"optim.{part.name}.{f}", part.shape, md)
-                        flat = getattr(ps, f)[part.lo : part.hi]
-                        targets[f"optim.{part.name}.{f}"] = owned_tensor(flat, part.shape, part.pieces)
+            if moments is not None and ps is not None:
+                targets.update(moments.targets(name, ps, lambda key, shape: self._check_entry(key, shape, md)))
         io.dcp_load(targets, path, self.group)
         with torch.no_grad():
+            if moments is not None:
+                moments.finish()
+                line = switch_line(meta.get("optimizer_dtypes"), state_dtypes(opt))
+                if line:
+                    self.console(line)
             if load_optim:
                 step = float(meta["optimizer_step"])
                 for ps in owned.values():

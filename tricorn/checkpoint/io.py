@@ -357,6 +357,7 @@ META_SCHEMA: dict[str, tuple[tuple[type, ...], Optional[float]]] = {
 OPTIONAL_META: dict[str, tuple[tuple[type, ...], Optional[float]]] = {
     "skipped_train_samples": ((int,), 0),
     "spiky_loss": ((dict,), None),
+    "optimizer_dtypes": ((dict,), None),  # --use-precision-aware-optimizer: each optimizer state's stored dtype
 }
 LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "dp")
 # meta.json of an import that carries the run's progress but no optimizer state (`import-megatron --no-load-optim`)

@@ -106,8 +106,13 @@ def dp_options(cfg: Config) -> DPOptions:
         bucket_size=p.ddp_bucket_size,
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather and p.zero_stage_in_effect >= 1,
-        grad_dtype=torch.bfloat16 if p.grad_reduce_in_bf16 else torch.float32,
+        grad_dtype=torch.bfloat16 if p.grad_reduce_in_bf16 or _main_grads_bf16(cfg) else torch.float32,
     )
+
+
+def _main_grads_bf16(cfg: Config) -> bool:
+    """--use-precision-aware-optimizer --main-grads-dtype bf16: the gradient buffers in bf16 (needs --bf16)."""
+    return cfg.training.use_precision_aware_optimizer and cfg.training.main_grads_dtype == "bf16"
 
 
 @dataclass
@@ -246,8 +251,21 @@ class Bucket:
 def plan_param_buckets(
     params: list[nn.Parameter], bucket_size: int, alone: Callable[[nn.Parameter], bool]
 ) -> list[list[nn.Parameter]]:
-    """Reverse order, one dtype per bucket, a new bucket past `bucket_size` elements; `alone` params get their own."""
-    return plan_buckets(params, lambda p: p.numel(), bucket_size, lambda a, b: a.dtype != b.dtype or alone(a) or alone(b))
+    """Reverse order, one dtype per bucket, a new bucket past `bucket_size` elements; `alone` params get their own.
+    FP8 primary weights (--fp8-param-gather, fp8_params.py) are planned apart, in buckets of their own."""
+    apart = lambda a, b: a.dtype != b.dtype or alone(a) or alone(b)  # noqa: E731
+    return plan_buckets(params, lambda p: p.numel(), bucket_size, apart, group=_is_fp8_primary)
+
+
+def _is_fp8_primary(p: nn.Parameter) -> bool:
+    return getattr(p, "fp8_primary", False)  # fp8_params.FP8_ATTR (that module imports this one)
+
+
+def _unit_buckets(unit: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """ZeRO-3: a unit's one bucket, or two under --fp8-param-gather: its FP8 weights' and the rest's."""
+    fp8 = [p for p in unit if _is_fp8_primary(p)]
+    rest = [p for p in unit if not _is_fp8_primary(p)]
+    return [g for g in (fp8, rest) if g]
 
 
 def _contiguous(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -280,8 +298,8 @@ class DataParallel:
         self.group = state.dp_cp_group
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
-        if units is not None:  # ZeRO-3: one bucket per layer, in backward order
-            groups = [list(u) for u in reversed(units)]
+        if units is not None:  # ZeRO-3: one bucket per layer (two with FP8 primary weights), in backward order
+            groups = [g for u in reversed(units) for g in _unit_buckets(list(u))]
         else:
             # Megatron: with PP and tied embeddings the two copies sit in buckets of their own, so both
             # stages shard them identically and the embedding all-reduce can act on owned shards only.
@@ -295,6 +313,7 @@ class DataParallel:
         if len(self.slot_of) != sum(len(b.slots) for b in self.buckets) or len(self.slot_of) != len(params):
             raise ValueError("every trainable parameter must sit in exactly one bucket (a parameter shared by two ZeRO-3 units?)")
         self.init = init
+        self.units = units is not None
         self._pack_params(state.device, {id(p): n for n, p in named})
         self._allocate_grads(state.device)
         for b in self.buckets:
@@ -319,15 +338,17 @@ class DataParallel:
         Hollow parameters (built on meta, model/init.py) are materialised here from ``self.init``, one at a
         time; under ZeRO-3 only the owned shard of their bucket is ever allocated (``param_shard``).
         """
-        if self.opts.stage == 3:
+        if self.units:  # ZeRO-3 over more than one rank (at DP x CP 1 nothing is sharded: plain buffers)
             for b in self.buckets:
                 if any(is_hollow(s.param) for s in b.slots):
                     self._pack_owned_shard(b, device, names)
                 else:
                     self._pack_bucket(b, torch.zeros(b.numel, dtype=b.dtype, device=device), names)
             return
-        for dtype in {b.dtype for b in self.buckets}:
-            mine = [b for b in self.buckets if b.dtype == dtype]
+        # One buffer per dtype, and one for the FP8 primary weights' buckets, whose 16-bit storage goes once the
+        # optimizer has cast them to FP8 (fp8_params.py).
+        for dtype, fp8 in {(b.dtype, _is_fp8_primary(b.slots[0].param)) for b in self.buckets}:
+            mine = [b for b in self.buckets if b.dtype == dtype and _is_fp8_primary(b.slots[0].param) == fp8]
             for b, view in zip(mine, _contiguous([b.numel for b in mine], dtype, device)):
                 self._pack_bucket(b, view, names)
 

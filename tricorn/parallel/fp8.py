@@ -30,6 +30,8 @@ splits it. Collectives (MAX all-reduces of fp32 amaxes, each a few bytes per ten
   row held whole by the rank (tokens under sequence parallelism) needs nothing. One all-reduce per group per GEMM
   pair, the row maxima of both operands concatenated.
 - DP and PP never reduce amaxes: one process scales each microbatch by itself, and so does every DP replica.
+- FP8 primary weights (--fp8-param-gather, fp8_params.py): the weight is already FP8 with its scale, so forward
+  and backward use it as stored and only the input's (gradient's) amax is reduced.
 - Under SP the column-parallel linear all-gathers its input in FP8 (tensorwise: 1 byte an element instead of
   bf16's 2; rowwise: FP8 plus one fp32 scale per token) and, in backward, all-gathers its saved shard again.
 Memory effect (saved for backward per linear): tensorwise keeps the FP8 input (its sequence shard under SP) and
@@ -153,6 +155,11 @@ def _gather_fp8(q: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Te
 def _forward_operands(x2d, weight, recipe: FP8Recipe, in_split: bool):
     """(xq, x_inv, wq_t, w_inv, scales to save): the forward GEMM's operands, scaled as the recipe says."""
     dtype = recipe.forward_dtype
+    stored = getattr(weight, "fp8_data", None)
+    if stored is not None:  # an FP8 primary weight (fp8_params.py): cast once per step from its master
+        sx = scale_for(_reduce_max([_max_abs(x2d, None)], recipe.amax_group)[0], dtype)
+        sw = weight.fp8_scale.clone()  # this forward's scale, whatever the next step writes
+        return quantize(x2d, sx, dtype), 1 / sx, stored.t(), 1 / sw, (sx, sw)
     if not recipe.rowwise:
         ax, aw = _reduce_max([torch.stack([_max_abs(x2d, None), _max_abs(weight, None)])], recipe.amax_group)[0]
         sx, sw = scale_for(ax, dtype), scale_for(aw, dtype)
@@ -182,6 +189,7 @@ class _FP8Linear(torch.autograd.Function):
         # tensorwise: the FP8 input (shard) and its scales; rowwise: the bf16 input (shard), requantised per GEMM
         ctx.save_for_backward(*((xq, *scales) if not recipe.rowwise else (x2d,)), weight)
         ctx.recipe, ctx.gather, ctx.in_split, ctx.has_bias = recipe, gather, in_split, bias is not None
+        ctx.fp8_weight = getattr(weight, "fp8_data", None)  # (a saved tensor comes back without its attributes)
         ctx.x_shape = x.shape
         return y
 
@@ -200,7 +208,7 @@ class _FP8Linear(torch.autograd.Function):
         if recipe.rowwise:
             dx, finish_wgrad = _rowwise_backward(g2d, saved[0], weight, recipe, ctx.in_split)
         else:
-            dx, finish_wgrad = _tensorwise_backward(g2d, saved, weight, recipe)
+            dx, finish_wgrad = _tensorwise_backward(g2d, saved, weight, recipe, ctx.fp8_weight)
         dx = dx.view(*grad.shape[:-1], weight.shape[1])
         if overlap:
             gathering.wait()
@@ -216,14 +224,15 @@ class _FP8Linear(torch.autograd.Function):
         return dx_shard.view(ctx.x_shape), grad_weight, grad_bias, None, None, None
 
 
-def _tensorwise_backward(g2d, saved, weight, recipe: FP8Recipe):
+def _tensorwise_backward(g2d, saved, weight, recipe: FP8Recipe, stored: Optional[torch.Tensor] = None):
     """dx now, and a function of the (gathered) FP8 input giving dW: one scale for g serves both GEMMs."""
     _xq, sx, sw = saved
     dtype = recipe.grad_dtype
     sg = scale_for(_reduce_max([_max_abs(g2d, None)], recipe.amax_group)[0], dtype)
     gq = quantize(g2d, sg, dtype)
-    # The weight again, with the forward's scale: the same FP8 values as the forward used.
-    dx = scaled_mm(gq, 1 / sg, _column_major(quantize(weight, sw, recipe.forward_dtype)), 1 / sw)
+    # The weight again, with the forward's scale: the same FP8 values as the forward used (an FP8 primary weight's own).
+    wq = quantize(weight, sw, recipe.forward_dtype) if stored is None else stored
+    dx = scaled_mm(gq, 1 / sg, _column_major(wq), 1 / sw)
 
     def wgrad(xq_full: torch.Tensor) -> torch.Tensor:
         return scaled_mm(gq.t().contiguous(), 1 / sg, _column_major(xq_full), 1 / sx)

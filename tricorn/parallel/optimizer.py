@@ -51,12 +51,14 @@ import torch.distributed as dist
 from torch import nn
 
 from tricorn.config import Config
-from tricorn.model.init import InitSpec
+from tricorn.model.init import INIT_KEY_ATTR, InitSpec
 from tricorn.parallel.data_parallel import DataParallel, dp_options
+from tricorn.parallel.fp8_params import fp8_params_for, mark_fp8_weights
 from tricorn.parallel.grads import clip_grads, global_grad_norm, reduce_sequence_parallel_grads, reduce_tied_embedding_grads
 from tricorn.parallel.loss_scaler import build_loss_scaler
-from tricorn.parallel.shard_state import ParamShard, ShardState
-from tricorn.parallel.state import ParallelState
+from tricorn.parallel.precision import StateDtypes, moment_scale, to_storage
+from tricorn.parallel.shard_state import ParamShard, ShardState, StepContext
+from tricorn.parallel.state import ParallelState, flatten
 from tricorn.parallel.zero3 import ParamSharder, unit_params, zero3_units
 
 INJECT_INF_AT_ITER = "TRICORN_TEST_INJECT_INF_AT_ITER"
@@ -93,6 +95,8 @@ class Optimizer:
         self.data_parallel: list[DataParallel] = []
         self.sharders: list[Optional[ParamSharder]] = []
         init = InitSpec(cfg.training.seed, cfg.model.init_method_std, cfg.model.num_layers)  # for hollow parameters
+        if cfg.training.fp8_param_gather and cfg.model.transformer_impl == "local":
+            mark_fp8_weights(modules)  # FP8 primary weights: buckets of their own (fp8_params.py)
         for m in modules:
             units = zero3_units(m) if shard_params else None
             dp = DataParallel(m, state, self.opts, [unit_params(u, u is m) for u in units] if units else None, init)
@@ -100,7 +104,24 @@ class Optimizer:
             self.sharders.append(ParamSharder(m, units, dp) if units else None)
         self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
         offload = cfg.parallel.optimizer_cpu_offload
-        self.shards = [ShardState(b, cfg.training, offload) for dp in self.data_parallel for b in dp.buckets]
+        self.dtypes = StateDtypes.from_config(cfg)  # --use-precision-aware-optimizer (precision.py)
+        self.shards = [ShardState(b, cfg.training, offload, self.dtypes) for dp in self.data_parallel for b in dp.buckets]
+        index = {id(p): k for k, p in enumerate(self.params)}
+        names = {id(p): getattr(p, INIT_KEY_ATTR, n) for m in modules for n, p in m.named_parameters()}
+        for s in self.shards:
+            s.set_param_index(index)
+            if self.dtypes.master != torch.float32:  # a 16-bit master: stochastic rounding keyed by global coordinates
+                s.set_rounding_ranges(names)
+        # fp16 moments: per parameter, an upper bound of its largest moment, the same on every rank of the stage
+        # (precision.py); their all-reduce runs over TP x DP x CP, the ranks that split one stage's parameters.
+        self.moment_bounds = {m: torch.zeros(len(self.params), device=state.device) for m in self.dtypes.scaled}
+        fp8_weights = cfg.training.fp8_param_gather and cfg.model.transformer_impl == "local"
+        self.stage_group = flatten(state.mesh, ("dp", "cp", "tp")) if self.moment_bounds or fp8_weights else None
+        # --fp8-param-gather: the FP8 linears' weights become FP8 bytes, cast from the masters (fp8_params.py)
+        self.fp8_params = fp8_params_for(cfg, self.data_parallel, self.shards, self.stage_group)
+        if self.fp8_params is not None:
+            self.fp8_params.cast_all(start_gathers=self.opts.stage in (1, 2))
+            self.finish_param_sync()
         # Shards in the order the next forward uses their buckets: chunk by chunk, and within a chunk the buckets
         # reversed (they are packed in backward order), so the embedding's all-gather is issued first and the
         # first layer's forward pre-hook (data_parallel.py) waits for that one gather only, not for all of them.
@@ -178,15 +199,41 @@ class Optimizer:
             spike = veto(norm, skip)
             skip = spike if skip is None else skip | spike
         clip_grads(self.params, self.cfg.training.clip_grad, norm, grad_fn=grad_fn)
+        ctx = self._step_context(grads, skip)
         gather = self.opts.stage in (1, 2)
         for i in self._forward_order:  # each bucket's gather starts right after its step, first-used bucket first
-            self.shards[i].step(grads[i], found_inf=skip)
-            if gather:
+            self.shards[i].step(grads[i], found_inf=skip, ctx=ctx)
+            if gather and not self.shards[i].fp8:
                 self.shards[i].bucket.start_param_gather()
+        if self.fp8_params is not None:  # FP8 weights: once every master has stepped, the amaxes, the cast, the gathers
+            self.fp8_params.cast_all(start_gathers=gather)
         if not self.opts.overlap_param_gather or self.iteration >= self.cfg.training.train_iters:
             self.finish_param_sync()  # with overlap, the next forward waits; after the last step nothing would
         self._after_step()
         return StepInfo(grad_norm=norm, skipped=skip if skip is not None else False, loss_scale=scale)
+
+    def _step_context(self, grads: list[torch.Tensor], skip: Optional[torch.Tensor]) -> StepContext:
+        """Stochastic rounding's key, and fp16 moments' scales before and after this step (precision.py): each
+        bound follows AdamW's recurrence with the parameter's largest |gradient| over the stage (after clipping),
+        and stays put on a skipped step."""
+        ctx = StepContext(step=self.iteration, seed=self.cfg.training.seed)
+        if not self.moment_bounds:
+            return ctx
+        amax = torch.zeros(len(self.params), device=self.state.device)
+        for s, g in zip(self.shards, grads):
+            if s.entries:
+                local = torch._foreach_norm([g[lo:hi] for _, lo, hi, _ in s.entries], float("inf"))
+                amax[s.index] = torch.stack(local).to(amax.device, torch.float32)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.stage_group)
+        t = self.cfg.training
+        for name, beta, g in (("exp_avg", t.adam_beta1, amax), ("exp_avg_sq", t.adam_beta2, amax * amax)):
+            if name in self.moment_bounds:
+                old = self.moment_bounds[name]
+                new = beta * old + (1 - beta) * g
+                new = new if skip is None else torch.where(skip, old, new)
+                ctx.old_scales[name], ctx.new_scales[name] = moment_scale(old), moment_scale(new)
+                self.moment_bounds[name] = new
+        return ctx
 
     def _step_grad(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         return self._step_grads.get(id(p))
@@ -255,14 +302,17 @@ class Optimizer:
         distributed optimizer all-gathers them (ZeRO-1/2), and ZeRO-3's gathered copies are dropped."""
         for s in self.shards:
             s.copy_master_to_params()
-            if self.opts.stage in (1, 2):
+            if self.opts.stage in (1, 2) and not s.fp8:
                 s.bucket.start_param_gather()
+        if self.fp8_params is not None:
+            self.fp8_params.cast_all(start_gathers=self.opts.stage in (1, 2))
         self.finish_param_sync()
         self.release_gathered()
 
     def sync_master_from_params(self) -> None:
         for s in self.shards:
-            s.sync_from_params()
+            if not s.fp8:  # an FP8 weight's master is the source of truth; its FP8 bytes are a cast of it
+                s.sync_from_params()
 
     # ------------------------------------------------------------ state
 
@@ -271,6 +321,24 @@ class Optimizer:
         names = {id(p): (c, n) for c, m in enumerate(self.modules) for n, p in m.named_parameters()}
         return [shard for s in self.shards for shard in s.param_shards(names)]
 
+    def store_moments(self, moment: str, values: dict[int, torch.Tensor]) -> None:
+        """A checkpoint load that switched a moment's dtype: fp32 ``values`` of the owned range of each parameter
+        (by id) into storage, fp16 with a new bound, the loaded values' largest magnitude over the stage."""
+        shards = {id(ps.param): ps for ps in self.sharded_param_state()}
+        index = {id(p): k for k, p in enumerate(self.params)}
+        scales = None
+        if moment in self.moment_bounds:
+            amax = torch.zeros(len(self.params), device=self.state.device)
+            for pid, v in values.items():
+                if v.numel():
+                    amax[index[pid]] = v.abs().max().to(amax.device)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.stage_group)
+            self.moment_bounds[moment].copy_(amax)
+            scales = moment_scale(amax)
+        for pid, v in values.items():
+            store = getattr(shards[pid], moment)
+            to_storage(v, store, None if scales is None else scales[index[pid]].to(store.device))
+
     def state_dict(self) -> dict:
         """This rank's state, for a resume on the same layout (the checkpoint reshards via sharded_param_state)."""
         self.finish_param_sync()
@@ -278,6 +346,7 @@ class Optimizer:
             "iteration": self.iteration,
             "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "shards": [s.state_dict() for s in self.shards],
+            "moment_bounds": dict(self.moment_bounds),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -288,7 +357,13 @@ class Optimizer:
             )
         for s, saved in zip(self.shards, state["shards"]):
             s.load_state_dict(saved)
+        if self.fp8_params is not None:
+            self.fp8_params.cast_all(start_gathers=self.opts.stage in (1, 2))
+            self.finish_param_sync()
         self.iteration = int(state["iteration"])
+        for name, bound in state.get("moment_bounds", {}).items():
+            if name in self.moment_bounds:
+                self.moment_bounds[name].copy_(bound)
         if self.scaler is not None and state.get("loss_scaler"):
             self.scaler.load_state_dict(state["loss_scaler"])
 

@@ -1,29 +1,37 @@
 """Master weights and AdamW state for the part of one DP bucket that this rank owns.
 
-The owned range of a bucket (all of it for DDP, 1/DP with the distributed
-optimizer) has three flat fp32 tensors: master values, exp_avg and exp_avg_sq.
-Each parameter that overlaps the range is stepped through a 1-D view of them,
-so torch.optim.AdamW does the math on the real storage and the state stays
-contiguous (and checkpointable per parameter, see ParamShard). AdamW is torch's
-fused kernel wherever torch has one for the masters' device (CPU and CUDA),
-foreach otherwise (adamw_kind): one kernel for the whole step, no temporaries.
+The owned range of a bucket (all of it for DDP, 1/DP with the distributed optimizer) has three flat tensors:
+master values, exp_avg and exp_avg_sq. Each parameter that overlaps the range is stepped through a 1-D view of
+them, so torch's AdamW does the math on the real storage and the state stays contiguous (and checkpointable per
+parameter, see ParamShard). AdamW is torch's fused kernel wherever torch has one for the masters' device (CPU and
+CUDA), foreach otherwise (adamw_kind): one kernel per parameter group, no temporaries.
 
-The master is the parameter storage itself when parameters are fp32 and not
-offloaded; otherwise an fp32 copy, on the CPU (pinned when the device is CUDA)
-with --optimizer-cpu-offload. Memory per owned element: 4 (master, unless
-aliased) + 8 (moments), plus offload staging buffers. No collectives.
+The master is the parameter storage itself when its dtype is the parameters' (fp32 parameters; with the
+precision-aware optimizer, bf16 or fp16 masters of parameters of that dtype) and nothing is offloaded; otherwise a
+copy, on the CPU (pinned when the device is CUDA) with --optimizer-cpu-offload.
+
+Precision-aware storage (precision.py: which dtype, how each value is rounded): when any state is below fp32,
+a step widens the bucket's owned states into fp32 work buffers (fp16 moments unscaled), runs the same AdamW on
+them, and rounds the results back: moments to nearest (fp16 with their new per-parameter scale), a 16-bit master
+stochastically. With every state fp32 the step runs on the storage itself, exactly as before.
+
+Memory per owned element: master (4 as a copy, 0 when it is the parameters) + moments (8 in fp32, 4 in bf16 or
+fp16), plus offload staging buffers; transient during a precision-aware step, fp32 work copies of the bucket's
+states (at most 12 bytes per owned element of one bucket) and the rounding's chunked temporaries. No collectives.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import nn
+from torch.optim.adamw import adamw
 
 from tricorn.config import TrainingConfig
 from tricorn.parallel.data_parallel import Bucket
+from tricorn.parallel.precision import MOMENTS, KeyedRange, StateDtypes, from_storage, stochastic_store, to_storage
 from tricorn.pinned import host_buffer, is_pinned, mark_host, pins_host_memory
 
 
@@ -44,8 +52,19 @@ class ParamShard:
 
     @property
     def master_is_value(self) -> bool:
-        """fp32 parameters on the device are their own master copy (the same storage)."""
+        """Parameters whose dtype is the master's, on the device, are their own master copy (the same storage)."""
         return self.master.data_ptr() == self.value.data_ptr() and self.master.dtype == self.value.dtype
+
+
+@dataclass
+class StepContext:
+    """What a precision-aware step needs besides the gradients: the optimizer step (stochastic rounding's key) and,
+    for fp16 moments, each parameter's scale before and after this step (index: Optimizer.params)."""
+
+    step: int = 0
+    seed: int = 0
+    old_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    new_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def adamw_kind(device: torch.device) -> dict:
@@ -69,17 +88,19 @@ def _buffer(numel: int, dtype: torch.dtype, device: torch.device, offload: bool,
 
 
 class ShardState:
-    def __init__(self, bucket: Bucket, t: TrainingConfig, offload: bool):
+    def __init__(self, bucket: Bucket, t: TrainingConfig, offload: bool, dtypes: StateDtypes = StateDtypes()):
         self.bucket = bucket
         shard = bucket.shard_param()
         self.offloaded = offload
+        self.dtypes = dtypes
         home = torch.device("cpu") if offload else shard.device
         pin = offload and pins_host_memory(shard.device)
-        # fp32 parameters on the device are their own master copy.
-        self.alias = shard.dtype == torch.float32 and not offload
-        self.master = shard if self.alias else _buffer(shard.numel(), torch.float32, home, offload, pin).copy_(shard)
-        self.exp_avg = _buffer(shard.numel(), torch.float32, home, offload, pin)
-        self.exp_avg_sq = _buffer(shard.numel(), torch.float32, home, offload, pin)
+        # Parameters of the master's dtype on the device are their own master copy.
+        self.alias = shard.dtype == dtypes.master and not offload
+        self.master = shard if self.alias else _buffer(shard.numel(), dtypes.master, home, offload, pin).copy_(shard)
+        self.exp_avg = _buffer(shard.numel(), dtypes.exp_avg, home, offload, pin)
+        self.exp_avg_sq = _buffer(shard.numel(), dtypes.exp_avg_sq, home, offload, pin)
+        self.precision_aware = not dtypes.all_fp32
         needs_grad_copy = offload or bucket.grad_dtype != torch.float32
         self.grad_staging = _buffer(bucket.shard_size, torch.float32, home, offload, pin) if needs_grad_copy else None
         self.param_staging = _buffer(shard.numel(), shard.dtype, home, offload, pin) if pin else None
@@ -89,25 +110,35 @@ class ShardState:
             a, b = bucket.owned(s)
             if a < b:
                 self.entries.append((s.param, a - bucket.lo, b - bucket.lo, a - s.offset))
-        self.masters = [self.master[lo:hi] for _, lo, hi, _ in self.entries]
-        self.adam: Optional[torch.optim.AdamW] = None
-        if self.entries:  # a rank may own only padding of a small bucket
-            decay = [m for m, (p, *_) in zip(self.masters, self.entries) if p.ndim > 1]
-            no_decay = [m for m, (p, *_) in zip(self.masters, self.entries) if p.ndim <= 1]
-            groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-            kind = adamw_kind(home)
-            self.fused = "fused" in kind
-            self.adam = torch.optim.AdamW(
-                [g for g in groups if g["params"]], lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, **kind
-            )
-            # State created up front as views of the flat moments (AdamW only initialises empty state).
-            for m, (_, lo, hi, _) in zip(self.masters, self.entries):
-                step = torch.tensor(0.0, dtype=torch.float32, device=home if self.fused else "cpu")
-                self.adam.state[m] = {
-                    "step": mark_host(step) if offload else step,  # offloaded: host memory, as the state it counts
-                    "exp_avg": self.exp_avg[lo:hi],
-                    "exp_avg_sq": self.exp_avg_sq[lo:hi],
-                }
+        self.index: list[int] = []  # each entry's parameter in Optimizer.params (set_param_index): fp16 moments' scales
+        self.ranges: list[KeyedRange] = []  # global coordinates of the owned elements (set_rounding_ranges)
+        kind = adamw_kind(home)
+        self.fused = "fused" in kind
+        self.kind = kind
+        self.lr, self.betas, self.eps = t.lr, (t.adam_beta1, t.adam_beta2), t.adam_eps
+        # AdamW's two parameter groups, as Megatron's: no weight decay on biases and norms (1-D parameters).
+        decay = [i for i, (p, *_) in enumerate(self.entries) if p.ndim > 1]
+        no_decay = [i for i, (p, *_) in enumerate(self.entries) if p.ndim <= 1]
+        self.groups = [(g, wd) for g, wd in ((decay, t.weight_decay), (no_decay, 0.0)) if g]
+        step_device = home if self.fused else torch.device("cpu")
+        self.steps = [torch.tensor(0.0, dtype=torch.float32, device=step_device) for _ in self.entries]
+        if offload:  # host memory, as the state they count (registered so on a CPU run: tricorn/pinned.py)
+            self.steps = [mark_host(step) for step in self.steps]
+        self.fp8 = False  # FP8 primary weights (fp8_params.py): the optimizer casts the masters into the parameters
+
+    @property
+    def adam(self) -> bool:
+        """Whether this rank steps anything here (a rank may own only padding of a small bucket)."""
+        return bool(self.entries)
+
+    def set_param_index(self, index: dict[int, int]) -> None:
+        self.index = [index[id(p)] for p, *_ in self.entries]
+
+    def set_rounding_ranges(self, names: dict[int, str]) -> None:
+        """The global coordinates that key a 16-bit master's stochastic rounding (precision.keyed_ranges)."""
+        from tricorn.parallel.precision import keyed_ranges
+
+        self.ranges = [r for p, lo, hi, first in self.entries for r in keyed_ranges(names[id(p)], p, first, first + hi - lo, lo)]
 
     def grads_for_step(self) -> torch.Tensor:
         """The reduced owned gradients as fp32 beside the master (copied when offloaded or reduced in bf16)."""
@@ -116,22 +147,70 @@ class ShardState:
             return grads
         return self.grad_staging.copy_(grads, non_blocking=is_pinned(self.grad_staging))
 
-    def step(self, grads: torch.Tensor, found_inf: Optional[torch.Tensor] = None) -> None:
+    # ------------------------------------------------------------ the step
+
+    def step(self, grads: torch.Tensor, found_inf: Optional[torch.Tensor] = None, ctx: Optional[StepContext] = None) -> None:
         """AdamW on the owned range; with `found_inf` a True flag leaves everything untouched."""
-        if self.adam is not None:
-            for m, (_, lo, hi, _) in zip(self.masters, self.entries):
-                m.grad = grads[lo:hi]
-            if found_inf is not None and self.fused:  # offloaded: the CPU kernel needs the flag in host memory (this syncs)
-                self.adam.found_inf = found_inf.to(self.master.device, torch.float32).reshape(())
-            # The foreach fallback (a device without a fused kernel) takes no flag: it reads it on the host.
-            if found_inf is None or self.fused or not bool(found_inf):
-                self.adam.step()
-            for m in self.masters:
-                m.grad = None
+        if self.entries:
+            if self.precision_aware:
+                self._precision_aware_step(grads, found_inf, ctx or StepContext())
+            else:
+                self._adamw(self.master, self.exp_avg, self.exp_avg_sq, grads, found_inf)
         if not self.alias:
             self._copy_to_params()
 
+    def _adamw(self, master, exp_avg, exp_avg_sq, grads, found_inf: Optional[torch.Tensor]) -> None:
+        """torch's AdamW (its functional form, which AdamW.step calls) on 1-D views of flat fp32 tensors."""
+        if found_inf is not None and self.fused:  # offloaded: the CPU kernel needs the flag in host memory (this syncs)
+            found_inf = found_inf.to(master.device, torch.float32).reshape(())
+        elif found_inf is not None and bool(found_inf):  # the foreach fallback takes no flag: it reads it on the host
+            return
+        else:
+            found_inf = None
+        views = [(master[lo:hi], grads[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]) for _, lo, hi, _ in self.entries]
+        for members, weight_decay in self.groups:
+            adamw(
+                *([views[i][k] for i in members] for k in range(4)),
+                [],
+                [self.steps[i] for i in members],
+                found_inf=found_inf,
+                amsgrad=False,
+                beta1=self.betas[0],
+                beta2=self.betas[1],
+                lr=self.lr,
+                weight_decay=weight_decay,
+                eps=self.eps,
+                maximize=False,
+                **self.kind,
+            )
+
+    def _scales(self, scales: dict[str, torch.Tensor], name: str) -> list[Optional[torch.Tensor]]:
+        """Each entry's scale of moment `name` (fp16 moments only), on the states' device."""
+        if name not in scales:
+            return [None] * len(self.entries)
+        mine = scales[name][self.index].to(self.exp_avg.device)
+        return list(mine.unbind())
+
+    def _precision_aware_step(self, grads: torch.Tensor, found_inf: Optional[torch.Tensor], ctx: StepContext) -> None:
+        """Widen the stored states into fp32, step them, round them back (precision.py says how)."""
+        work_master = self.master if self.master.dtype == torch.float32 else self.master.float()
+        work = {}
+        for name in MOMENTS:
+            store, scales = getattr(self, name), self._scales(ctx.old_scales, name)
+            work[name] = torch.empty(store.shape, dtype=torch.float32, device=store.device)
+            for (_, lo, hi, _), scale in zip(self.entries, scales):
+                from_storage(store[lo:hi], work[name][lo:hi], scale)
+        self._adamw(work_master, work["exp_avg"], work["exp_avg_sq"], grads, found_inf)
+        for name in MOMENTS:
+            store, scales = getattr(self, name), self._scales(ctx.new_scales, name)
+            for (_, lo, hi, _), scale in zip(self.entries, scales):
+                to_storage(work[name][lo:hi], store[lo:hi], scale)
+        if work_master is not self.master:
+            stochastic_store(work_master, self.master, self.ranges, ctx.seed, ctx.step)
+
     def _copy_to_params(self) -> None:
+        if self.fp8:  # FP8 primary weights: cast by the optimizer once every amax is known (fp8_params.py)
+            return
         target = self.bucket.shard_param()
         if self.param_staging is None:
             target.copy_(self.master)
@@ -149,30 +228,41 @@ class ShardState:
             self.master.copy_(self.bucket.shard_param())
 
     def set_lr(self, lr: float) -> None:
-        if self.adam is not None:
-            for group in self.adam.param_groups:
-                group["lr"] = lr
+        self.lr = lr
 
     def _steps(self) -> list[torch.Tensor]:
-        return [self.adam.state[m]["step"] for m in self.masters] if self.adam is not None else []
+        return self.steps
+
+    # ------------------------------------------------------------ state
 
     def param_shards(self, names: dict[int, tuple[int, str]]) -> list[ParamShard]:
         out = []
-        for m, step, (p, lo, hi, first) in zip(self.masters, self._steps(), self.entries):
+        for step, (p, lo, hi, first) in zip(self.steps, self.entries):
             chunk, name = names[id(p)]
-            value = self.bucket.shard_param()[lo:hi]
+            # An FP8 primary weight's value for checkpoints and norms is its fp32 master, the source of truth.
+            value = self.master[lo:hi] if self.fp8 else self.bucket.shard_param()[lo:hi]
             out.append(
-                ParamShard(chunk, name, p, first, first + hi - lo, m, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], step, value)
+                ParamShard(
+                    chunk,
+                    name,
+                    p,
+                    first,
+                    first + hi - lo,
+                    self.master[lo:hi],
+                    self.exp_avg[lo:hi],
+                    self.exp_avg_sq[lo:hi],
+                    step,
+                    value,
+                )
             )
         return out
 
     def state_dict(self) -> dict:
-        steps = self._steps()
         return {
             "master": None if self.alias else self.master,
             "exp_avg": self.exp_avg,
             "exp_avg_sq": self.exp_avg_sq,
-            "step": float(steps[0]) if steps else 0.0,
+            "step": float(self.steps[0]) if self.steps else 0.0,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -182,7 +272,7 @@ class ShardState:
             )
         self.exp_avg.copy_(state["exp_avg"])
         self.exp_avg_sq.copy_(state["exp_avg_sq"])
-        for step in self._steps():
+        for step in self.steps:
             step.fill_(state["step"])
         if state.get("master") is not None and not self.alias:
             self.master.copy_(state["master"])
@@ -192,6 +282,6 @@ class ShardState:
         staging = [t for t in (self.param_staging,) if t is not None]
         return {
             "master_params": ([] if self.alias else [self.master]) + staging,
-            "optimizer_state": [self.exp_avg, self.exp_avg_sq, *self._steps()],
+            "optimizer_state": [self.exp_avg, self.exp_avg_sq, *self.steps],
             "grads": [self.grad_staging] if self.grad_staging is not None else [],
         }

@@ -49,11 +49,16 @@ from tricorn.parallel.data_parallel import Bucket, DataParallel
 @dataclass(eq=False)
 class Unit:
     module: nn.Module
-    bucket: Bucket
+    buckets: list[Bucket]  # one; two with FP8 primary weights (fp8_params.py): the FP8 weights' and the rest's
     index: int
     kept: bool = False  # stays gathered from its forward until its gradients are ready
     gathered: bool = False
     in_backward: bool = False
+
+    @property
+    def ready(self) -> bool:
+        """Every gradient of this backward has reached the unit's buckets."""
+        return all(b.ready for b in self.buckets)
 
 
 def zero3_units(chunk: nn.Module) -> list[nn.Module]:
@@ -80,18 +85,22 @@ def _trainable(module: nn.Module) -> bool:
 
 class ParamSharder:
     def __init__(self, chunk: nn.Module, modules: list[nn.Module], dp: DataParallel):
-        # DataParallel built one bucket per unit, in backward (reverse) order.
-        buckets = list(reversed(dp.buckets))
+        # DataParallel built one bucket per unit (two with FP8 primary weights), in backward (reverse) order.
+        bucket_of = {id(sl.param): b for b in dp.buckets for sl in b.slots}
         tied_on_stage = (
             getattr(chunk, "tied", False) and getattr(chunk, "pre_process", False) and getattr(chunk, "post_process", False)
         )
         kept_module = getattr(chunk, "tok_embeddings", None) if tied_on_stage else None
-        self.units = [Unit(m, b, i, kept=m is kept_module) for i, (m, b) in enumerate(zip(modules, buckets))]
-        self._unit_of_bucket = {id(u.bucket): u for u in self.units}
+        self.units = []
+        for i, m in enumerate(modules):
+            mine = list({id(bucket_of[id(p)]): bucket_of[id(p)] for p in unit_params(m, m is chunk)}.values())
+            self.units.append(Unit(m, mine, i, kept=m is kept_module))
+        self._unit_of_bucket = {id(b): u for u in self.units for b in u.buckets}
         for u in self.units:
-            if u.bucket.param_shard is None:  # built from full parameters: keep the owned part, free the rest
-                u.bucket.param_shard = u.bucket.param_flat[u.bucket.lo : u.bucket.hi].clone()
-                _free_storage(u.bucket.param_flat)
+            for b in u.buckets:
+                if b.param_shard is None:  # built from full parameters: keep the owned part, free the rest
+                    b.param_shard = b.param_flat[b.lo : b.hi].clone()
+                    _free_storage(b.param_flat)
             u.module.register_forward_pre_hook(self._pre_forward_hook(u))
             u.module.register_forward_hook(self._post_forward_hook(u))
         dp.on_bucket_ready = self._on_grads_ready
@@ -100,17 +109,19 @@ class ParamSharder:
 
     def _gather(self, u: Unit, wait: bool = True) -> None:
         if not u.gathered:
-            flat = u.bucket.param_flat
-            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-            u.bucket.start_param_gather()
+            for b in u.buckets:
+                b.param_flat.untyped_storage().resize_(b.param_flat.numel() * b.param_flat.element_size())
+                b.start_param_gather()
             u.gathered = True
         if wait:
-            u.bucket.finish_param_gather()
+            for b in u.buckets:
+                b.finish_param_gather()
 
     def _free(self, u: Unit) -> None:
         if u.gathered:
-            u.bucket.finish_param_gather()  # never free storage a collective is writing
-            _free_storage(u.bucket.param_flat)
+            for b in u.buckets:
+                b.finish_param_gather()  # never free storage a collective is writing
+                _free_storage(b.param_flat)
             u.gathered = False
         u.in_backward = False
 
@@ -144,18 +155,20 @@ class ParamSharder:
 
     def _pre_backward_hook(self, u: Unit):
         def hook(_grad: torch.Tensor) -> None:
-            if u.bucket.ready:  # gradients already done (an output used twice): nothing left to compute
+            if u.ready:  # gradients already done (an output used twice): nothing left to compute
                 return
             u.in_backward = True
             self._gather(u)
             prev = self._neighbour(u, -1)
-            if prev is not None and not prev.bucket.ready:
+            if prev is not None and not prev.ready:
                 self._gather(prev, wait=False)
 
         return hook
 
     def _on_grads_ready(self, bucket: Bucket) -> None:
-        self._free(self._unit_of_bucket[id(bucket)])
+        u = self._unit_of_bucket[id(bucket)]
+        if u.ready:
+            self._free(u)
 
     # ------------------------------------------------------------ for the optimizer and checkpoints
 
@@ -176,7 +189,8 @@ class ParamSharder:
             yield
             if write_back:
                 for u in self.units:
-                    u.bucket.param_shard.copy_(u.bucket.param_flat[u.bucket.lo : u.bucket.hi])
+                    for b in u.buckets:
+                        b.param_shard.copy_(b.param_flat[b.lo : b.hi])
         finally:
             self.release_all()
 

@@ -45,6 +45,11 @@ class Layout:
     fp8_inputs: bool = False  # native FP8, tensorwise: the linears keep FP8 copies of their inputs (activations.py)
     offload_layers: int = 0  # --cpu-offloading-num-layers: each chunk's first N layers save to host (stage_activations.py)
     optimizer_offload: bool = False  # --optimizer-cpu-offload: master weights and Adam moments in host memory
+    fp8_param_gather: bool = False  # --fp8-param-gather: the FP8 linears' weights are stored and gathered in FP8
+    # The precision-aware optimizer (--use-precision-aware-optimizer): the stored dtypes (planning/memory.py)
+    main_params_dtype: str = "fp32"  # master weights: fp32 | fp16 | bf16
+    exp_avg_dtype: str = "fp32"  # Adam's first moment: fp32 | fp16 | bf16
+    exp_avg_sq_dtype: str = "fp32"  # Adam's second moment: fp32 | fp16 | bf16
 
     @property
     def world_size(self) -> int:
@@ -63,6 +68,7 @@ class Layout:
     @classmethod
     def from_config(cls, cfg: Config) -> Layout:
         m, p, t = cfg.model, cfg.parallel, cfg.training
+        aware = t.use_precision_aware_optimizer
         return cls(
             tp=p.tensor_model_parallel_size,
             pp=p.pipeline_model_parallel_size,
@@ -79,7 +85,7 @@ class Layout:
             recompute_modules=tuple(m.recompute_modules or ()),
             zero_stage=p.zero_stage_in_effect,  # --zero-stage 2/3 alone is ZeRO-2/3, as the trainer runs it
             precision=cfg.param_dtype_name,
-            grads_16bit=p.grad_reduce_in_bf16 and cfg.param_dtype_name != "fp32",
+            grads_16bit=(p.grad_reduce_in_bf16 or (aware and t.main_grads_dtype == "bf16")) and cfg.param_dtype_name != "fp32",
             schedule=p.pipeline_schedule,
             first_stage_layers=p.decoder_first_pipeline_num_layers,
             last_stage_layers=p.decoder_last_pipeline_num_layers,
@@ -95,4 +101,8 @@ class Layout:
             fp8_inputs=bool(t.fp8_format) and m.transformer_impl == "local" and (t.fp8_recipe or "tensorwise") == "tensorwise",
             offload_layers=m.cpu_offloading_num_layers,
             optimizer_offload=p.optimizer_cpu_offload,
+            fp8_param_gather=bool(t.fp8_format) and t.fp8_param_gather,
+            main_params_dtype=t.main_params_dtype if aware else "fp32",
+            exp_avg_dtype=t.exp_avg_dtype if aware else "fp32",
+            exp_avg_sq_dtype=t.exp_avg_sq_dtype if aware else "fp32",
         )

@@ -64,10 +64,12 @@ from tricorn.planning.zero_bubble_memory import experts_defer, zero_bubble_activ
 GiB = 1024**3
 CUDA_OVERHEAD_BYTES = 1 * GiB
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32
-# --optimizer-cpu-offload, per owned element in host memory (parallel/shard_state.py): the fp32 master (a copy
-# even of fp32 parameters), both moments, and the fp32 gradient it is copied into; on CUDA also the pinned
-# 16-bit staging copy the new values go back to the device from.
-OFFLOADED_BYTES_PER_ELEMENT = 4 + ADAM_STATE_BYTES + 4
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # the precision-aware optimizer's stored dtypes
+FP8_PARAM_BYTES = 1  # --fp8-param-gather: an FP8 primary weight's element
+# --optimizer-cpu-offload, per owned element in host memory besides the master (a copy in its dtype, even where
+# the parameters would be their own master) and the moments (parallel/shard_state.py): the fp32 gradient the step
+# reads; on CUDA also the pinned staging copy, in the parameters' dtype, the new values go back to the device from.
+OFFLOADED_GRAD_BYTES = 4
 
 
 # ---------------------------------------------------------------- model state
@@ -95,6 +97,28 @@ def bytes_per_param(precision: str, grads_16bit: bool = False) -> tuple[int, int
     if precision in ("bf16", "fp16"):
         return 2, 2 if grads_16bit else 4, 4, ADAM_STATE_BYTES
     raise ValueError(f"unknown precision '{precision}': use bf16, fp16 or fp32")
+
+
+def master_bytes_per_param(layout: Layout) -> int:
+    """Bytes of the master copy per parameter (--main-params-dtype): none for fp32 parameters (they are their own
+    master) or when the master's dtype is the 16-bit parameters' own (--bf16 with bf16 masters: the parameters are
+    the master, stochastically rounded); else the master's dtype (4 for fp32, 2 for an fp16 copy beside bf16)."""
+    if layout.precision == "fp32" or layout.main_params_dtype == layout.precision:
+        return 0
+    return DTYPE_BYTES[layout.main_params_dtype]
+
+
+def optimizer_bytes_per_param(layout: Layout) -> int:
+    """AdamW's moments per parameter in their stored dtypes (--exp-avg-dtype, --exp-avg-sq-dtype): 8 in fp32, 4 in
+    bf16 or fp16 (fp16 adds one fp32 bound per parameter tensor, not per element: nothing here)."""
+    return DTYPE_BYTES[layout.exp_avg_dtype] + DTYPE_BYTES[layout.exp_avg_sq_dtype]
+
+
+def layout_bytes_per_param(layout: Layout) -> tuple[int, int, int, int]:
+    """(params, grads, master, optimizer) bytes per parameter of ``layout``: ``bytes_per_param`` with the
+    precision-aware optimizer's dtypes (an FP8 primary weight's parameter bytes are ``FP8_PARAM_BYTES``)."""
+    p_b, g_b, _, _ = bytes_per_param(layout.precision, layout.grads_16bit)
+    return p_b, g_b, master_bytes_per_param(layout), optimizer_bytes_per_param(layout)
 
 
 def model_state_bytes(
@@ -179,6 +203,41 @@ def layer_params_per_rank(model: ModelConfig, tp: int = 1, active: bool = False,
         return n + mlp_params_per_rank(model, 0, tp)
     mlps = sum(mlp_params_per_rank(model, i, tp, active, ep, etp) for i in range(model.num_layers))
     return n + round(mlps / model.num_layers)
+
+
+def fp8_weight_mask(model: ModelConfig) -> list[bool]:
+    """Which of a dense layer's ``layer_param_sizes`` are FP8 primary weights under --fp8-param-gather: the
+    weights of the four linears (QKV, out projection, w1, w2), not the norms or biases."""
+    bias = not model.disable_bias_linear
+    norm = [False] * (2 if model.normalization == "LayerNorm" else 1)
+    linear = [True, False][: 1 + bias]
+    return norm + linear + linear + norm + linear + linear
+
+
+def fp8_primary_elements(model: ModelConfig, layout: Layout, layers: int) -> int:
+    """Elements of the FP8 primary weights on a TP rank of a stage of ``layers`` layers (--fp8-param-gather; 0
+    without it): each layer's four linear weights. They are stored in FP8 (FP8_PARAM_BYTES each, ZeRO-3 shards
+    them) and the distributed optimizer gathers them in FP8, half of bf16's bytes."""
+    if not layout.fp8_param_gather:
+        return 0
+    sizes = [
+        n
+        for n, fp8 in zip(
+            _attention_sizes(model, layout.tp)
+            + _mlp_sizes(model.hidden_size, model.ffn_size, model.swiglu, not model.disable_bias_linear, layout.tp),
+            fp8_weight_mask(model),
+        )
+        if fp8
+    ]
+    return layers * sum(sizes)
+
+
+def layer_param_bytes(model: ModelConfig, layout: Layout) -> float:
+    """Bytes of one layer's parameters on a TP rank as stored (ZeRO-3 gathers these): 16-bit (or fp32), the FP8
+    primary weights at FP8_PARAM_BYTES under --fp8-param-gather."""
+    p_b = bytes_per_param(layout.precision)[0]
+    fp8 = fp8_primary_elements(model, layout, 1)
+    return (layer_params_per_rank(model, layout.tp) - fp8) * p_b + fp8 * FP8_PARAM_BYTES
 
 
 def layer_param_sizes(model: ModelConfig, layer_id: int, tp: int = 1, ep: int = 1, etp: int = 1) -> list[tuple[int, bool]]:
@@ -354,13 +413,17 @@ def zero2_buckets(model: ModelConfig, layout: Layout, stage: int, layers: int) -
     (parallel/buckets.py) over the stage's parameters, each virtual-pipeline chunk its own buffers."""
     vpp = layout.vpp if layout.pp > 1 else 1
     head, body, tail = stage_param_parts(model, layout, stage, layers)
+    # (elements, kept apart, FP8 primary weight): FP8 weights are planned in buckets of their own (data_parallel.py)
+    mask = fp8_weight_mask(model) if layout.fp8_param_gather else []
+    body3 = [[(n, apart, i < len(mask) and mask[i]) for i, (n, apart) in enumerate(layer)] for layer in body]
+    head3, tail3 = [(n, a, False) for n, a in head], [(n, a, False) for n, a in tail]
     buckets: list[int] = []
     for c in reversed(range(vpp)):  # layers split evenly over the chunks; backward runs the last chunk first
-        chunk = [p for layer in body[layers * c // vpp : layers * (c + 1) // vpp] for p in layer]
-        chunk = (head if c == 0 else []) + chunk + (tail if c == vpp - 1 else [])
-        size = layout.bucket_elements(sum(n for n, _ in chunk))  # what DataParallel picks for the chunk
-        plan = plan_buckets(chunk, lambda s: s[0], size, lambda a, b: a[1] or b[1])
-        buckets += [sum(n for n, _ in b) for b in plan]
+        chunk = [p for layer in body3[layers * c // vpp : layers * (c + 1) // vpp] for p in layer]
+        chunk = (head3 if c == 0 else []) + chunk + (tail3 if c == vpp - 1 else [])
+        size = layout.bucket_elements(sum(n for n, _, _ in chunk))  # what DataParallel picks for the chunk
+        plan = plan_buckets(chunk, lambda s: s[0], size, lambda a, b: a[1] or b[1], group=lambda s: s[2])
+        buckets += [sum(n for n, _, _ in b) for b in plan]
     return buckets
 
 
@@ -389,7 +452,7 @@ def _forward_peak_buffers(model: ModelConfig, layout: Layout, stage: int, layers
     head has been freed, elsewhere a layer and the prefetched next one."""
     gathered = 0.0
     if layout.zero_stage >= 3 and stage != layout.head_stage:
-        gathered = 2 * layer_params_per_rank(model, layout.tp) * bytes_per_param(layout.precision)[0]
+        gathered = 2 * layer_param_bytes(model, layout)
     grads = zero_transient_grad_bytes(model, layout, stage, layers, at_backward_start=True)
     return Buffers(pipeline=_pipeline_buffer_bytes(model, layout), gradients=grads, parameters=gathered)
 
@@ -411,12 +474,12 @@ def zero_backward_peak(
     if layout.zero_stage < 2 or layout.dp * layout.cp == 1:
         return None
     p_bytes = bytes_per_param(layout.precision)[0]
-    layer = layer_params_per_rank(model, layout.tp)
-    embedding = model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size if stage == 0 else 0
+    layer = layer_param_bytes(model, layout)
+    embedding = model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size * p_bytes if stage == 0 else 0
     # ZeRO-3 gathers the layer in backward and prefetches the unit before it: a second layer, or on the first
     # layer of the first stage the embedding - whichever is larger counts (both moments occur).
     before = max(layer if n_layers >= 2 else 0, embedding) or layer
-    gathered = (layer + before) * p_bytes if layout.zero_stage >= 3 else 0.0
+    gathered = layer + before if layout.zero_stage >= 3 else 0.0
     grads = zero_transient_grad_bytes(model, layout, stage, n_layers)
     buffers = Buffers(_pipeline_buffer_bytes(model, layout), grads, gathered)
     in_flight = microbatches_in_flight(layout, stage)
@@ -436,12 +499,12 @@ def estimate(
     """Per-rank memory of every pipeline stage (or only ``stages``); returns the worst one (ties: the first)."""
     if model.vocab_size is None:
         raise ValueError("the vocabulary size is unknown: pass --vocab-size N (or --tokenizer-model FILE)")
-    p_b, g_b, m_b, o_b = bytes_per_param(layout.precision, layout.grads_16bit)
+    p_b, g_b, m_b, o_b = layout_bytes_per_param(layout)
     shard = layout.dp * layout.cp  # the distributed optimizer shards over the DP x CP group
 
-    def state_of(n: int, dp: int) -> ModelState:
+    def state_of(n: int, dp: int, param_bytes: float = p_b) -> ModelState:
         return model_state_bytes(
-            n, param_bytes=p_b, grad_bytes=g_b, master_bytes=m_b, optimizer_bytes=o_b, dp=dp, zero_stage=layout.zero_stage
+            n, param_bytes=param_bytes, grad_bytes=g_b, master_bytes=m_b, optimizer_bytes=o_b, dp=dp, zero_stage=layout.zero_stage
         )
 
     layers = stage_layer_counts(model.num_layers, layout.pp, layout.first_stage_layers, layout.last_stage_layers)
@@ -452,14 +515,18 @@ def estimate(
             continue
         n_params = stage_params_per_rank(model, layout, stage, n_layers)
         n_experts = stage_expert_params_per_rank(model, layout, n_layers)
+        n_fp8 = fp8_primary_elements(model, layout, n_layers)  # --fp8-param-gather: stored in FP8
         # The distributed optimizer shards the routed experts over expert-DP (DP x CP / EP), the rest over DP x CP.
-        state = state_of(n_params - n_experts, shard) + state_of(n_experts, shard // layout.ep)
+        state = (
+            state_of(n_params - n_experts - n_fp8, shard)
+            + state_of(n_fp8, shard, FP8_PARAM_BYTES)
+            + state_of(n_experts, shard // layout.ep)
+        )
         host = offload_host_bytes(model, layout, stage, n_layers, profile)
         if layout.optimizer_offload:  # master weights and moments (and the step's staging copies) in host memory
-            owned = (
-                state_of(n_params - n_experts, shard).optimizer_state + state_of(n_experts, shard // layout.ep).optimizer_state
-            )
-            host += owned / o_b * (OFFLOADED_BYTES_PER_ELEMENT + (p_b if layout.device == "cuda" else 0))
+            owned = state.optimizer_state / o_b
+            master = DTYPE_BYTES[layout.main_params_dtype]
+            host += owned * (master + o_b + OFFLOADED_GRAD_BYTES + (p_b if layout.device == "cuda" else 0))
             state = dataclasses.replace(state, master_params=0.0, optimizer_state=0.0)
         # The stage's first MoE layer backward: its workspace, where the last stage's loss part is released.
         # Likewise a layer's CP attention buffers in flight (context_comm.py: K/V pairs, fp32 accumulators).
