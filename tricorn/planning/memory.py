@@ -30,7 +30,7 @@ No collectives, no device work.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, astuple, dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from tricorn.config import Config, ModelConfig
@@ -87,7 +87,12 @@ class ModelState:
         return self.params + self.grads + self.master_params + self.optimizer_state
 
     def __add__(self, other: ModelState) -> ModelState:
-        return ModelState(*(a + b for a, b in zip(astuple(self), astuple(other))))
+        return ModelState(
+            self.params + other.params,
+            self.grads + other.grads,
+            self.master_params + other.master_params,
+            self.optimizer_state + other.optimizer_state,
+        )
 
 
 def bytes_per_param(precision: str, grads_16bit: bool = False) -> tuple[int, int, int, int]:
@@ -408,9 +413,23 @@ def _pipeline_buffer_bytes(model: ModelConfig, layout: Layout) -> float:
     )
 
 
+_BUCKETS: dict[tuple, list[int]] = {}  # zero2_buckets of recent layouts (the planner asks again for each feature set)
+
+
 def zero2_buckets(model: ModelConfig, layout: Layout, stage: int, layers: int) -> list[int]:
     """ZeRO-2's gradient buckets on a rank of ``stage``, in backward order: the code's own plan
     (parallel/buckets.py) over the stage's parameters, each virtual-pipeline chunk its own buffers."""
+    # The buckets are elements of parameters: what the activations and the optimizer's dtypes do leaves them alone.
+    same = dataclasses.replace(layout, offload_layers=0, optimizer_offload=False, exp_avg_dtype="fp32", exp_avg_sq_dtype="fp32")
+    key = (repr(model), same, stage, layers)
+    if key not in _BUCKETS:
+        if len(_BUCKETS) > 1024:
+            _BUCKETS.clear()
+        _BUCKETS[key] = _plan_zero2_buckets(model, layout, stage, layers)
+    return _BUCKETS[key]
+
+
+def _plan_zero2_buckets(model: ModelConfig, layout: Layout, stage: int, layers: int) -> list[int]:
     vpp = layout.vpp if layout.pp > 1 else 1
     head, body, tail = stage_param_parts(model, layout, stage, layers)
     # (elements, kept apart, FP8 primary weight): FP8 weights are planned in buckets of their own (data_parallel.py)
@@ -522,7 +541,8 @@ def estimate(
             + state_of(n_fp8, shard, FP8_PARAM_BYTES)
             + state_of(n_experts, shard // layout.ep)
         )
-        host = offload_host_bytes(model, layout, stage, n_layers, profile)
+        held = stage_units(model, layout, stage, n_layers, profile)
+        host = held.host * microbatches_in_flight(layout, stage)  # the offloaded activations of every microbatch in flight
         if layout.optimizer_offload:  # master weights and moments (and the step's staging copies) in host memory
             owned = state.optimizer_state / o_b
             master = DTYPE_BYTES[layout.main_params_dtype]
@@ -538,7 +558,6 @@ def estimate(
             zb = zero_bubble_activation_peak(model, layout, stage, n_layers, profile, sum(layers[:stage]), workspace)
             activations, logits = zb.activations - zb.loss_part, zb.loss_part
         else:
-            held = stage_units(model, layout, stage, n_layers, profile)
             activations = held.kept * microbatches_in_flight(layout, stage) + held.rebuilt
             logits = embedding_logits_bytes(model, layout, stage, profile)
             # A layer's backward workspace, and offloaded layers brought back, come after the loss part is freed.
