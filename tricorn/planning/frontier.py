@@ -85,3 +85,23 @@ def walk() -> list[Row]:
         flags = flags + [f for f in more if not (f == PRECISION_AWARE[0] and f in flags)]
         rows.append(row(name, flags))
     return rows
+
+
+def markdown(rows: list[Row]) -> str:
+    """The walk as docs/memory.md shows it (tests/test_memory_frontier.py holds the page to this text)."""
+    gib = 1024**3
+    head = (
+        "| step | adds | parameters | gradients | master | optimizer state | activations | logits, buffers, CUDA | "
+        "total | host |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    previous: list[str] = []
+    for r in rows:
+        added = " ".join(r.flags[len(previous) :]) or "-"
+        previous = r.flags
+        b = r.bytes
+        rest = b["embedding_logits_bytes"] + b["buffer_bytes"] + b["fp8_bytes"] + b["overhead_bytes"]
+        cells = [b[k] / gib for k in ("params_bytes", "grads_bytes", "master_params_bytes", "optimizer_state_bytes")]
+        cells += [b["activation_bytes"] / gib, rest / gib, r.total / gib, r.host / gib]
+        lines.append(f"| {r.name} | `{added}` | " + " | ".join(f"{x:.2f}" for x in cells) + " |")
+    return "\n".join(lines)

@@ -71,6 +71,12 @@ def _with(lay: Layout, moments: bool, offload: int, optimizer: bool, fp8: bool) 
     return dataclasses.replace(lay, offload_layers=offload, optimizer_offload=optimizer, fp8_param_gather=fp8, **extra)
 
 
+def leanest_variant(model: ModelConfig, lay: Layout) -> Layout:
+    """``lay`` with the features that free the most device memory: optimizer offload, every layer's activations
+    offloaded, and FP8 primary weights where they apply."""
+    return _with(lay, False, chunk_layers(model, lay), True, _fp8_options(lay)[-1])
+
+
 def fastest_variant(lay: Layout) -> Layout:
     """The layout with the two features that make a step faster (bf16 moments: a lighter AdamW; FP8 weights: a
     lighter gather, where they apply) and none that cost time: no variant of ``lay`` predicts a shorter step."""
@@ -93,7 +99,7 @@ def variants(
     layout that does not fit as it is. ``estimate``: the worst rank's estimate of a layout."""
     most = chunk_layers(model, lay)
     fp8_options = _fp8_options(lay)
-    leanest = _with(lay, False, most, True, fp8_options[-1])
+    leanest = leanest_variant(model, lay)
     lean = estimate(leanest)
     if not fits(lean, usable, host_usable):
         return [], (leanest, lean)

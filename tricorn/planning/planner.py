@@ -441,12 +441,17 @@ def _leaner(leanest: Optional[tuple[Layout, float]], lay: Layout, mem: float) ->
     return (lay, mem) if leanest is None or mem < leanest[1] else leanest
 
 
-def lean_fit(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16") -> Optional[tuple[Layout, float]]:
+def lean_fit(
+    model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16", features: bool = False
+) -> Optional[tuple[Layout, float]]:
     """Some layout on at most ``cluster.gpus`` GPUs that fits, searching only the memory-lean corner.
 
     Full recompute, micro batch 1, ZeRO-3 without PP or ZeRO-1 with PP in (2, 4, 8), every TP and every DP
-    that divides the global batch. The candidate set only grows with the GPU count, so fitting is monotone.
+    that divides the global batch; with ``features`` also each one's leanest memory features (optimizer offload,
+    every layer offloaded: memory_features.leanest_variant). The candidate set only grows with the GPU count, so
+    fitting is monotone.
     """
+    host_usable = cluster.gpu.host_memory_bytes * memory_features.HOST_MEMORY_FRACTION
     pps = [pp for pp in (1, 2, 4, 8) if model.num_layers % pp == 0]
     dps = sorted(divisors(global_batch), reverse=True)
     for tp in sorted(valid_tps(model, cluster.gpus_per_node), reverse=True):
@@ -468,6 +473,11 @@ def lean_fit(model: ModelConfig, cluster: Cluster, global_batch: int, precision:
                 mem = worst_memory(model, lay)
                 if mem <= cluster.usable_bytes:
                     return lay, mem
+                if features:
+                    lean = memory_features.leanest_variant(model, lay)
+                    est = worst_estimate(model, lean)
+                    if memory_features.fits(est, cluster.usable_bytes, host_usable):
+                        return lean, est.total_bytes
     return None
 
 
