@@ -2,6 +2,7 @@
 
     python bench/memory_frontier.py          # the table (tricorn/planning/frontier.py has the layout and flags)
     python bench/memory_frontier.py --walk   # also the cumulative walk docs/memory.md goes through
+    python bench/memory_frontier.py --markdown   # the walk as docs/memory.md's table (paste it there)
 
 llama3-70b on 16 x H100 80GB as TP 8 x PP 2 (sequence parallel), seq 8192, micro batch 1, global batch 512, bf16:
 today's defaults, then each feature alone, then all together - the worst rank's device bytes by `tricorn estimate`
@@ -33,6 +34,9 @@ def table(rows: list[frontier.Row], base: float) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if "--markdown" in argv:
+        print(frontier.markdown(frontier.walk()))
+        return 0
     print(f"tricorn estimate {' '.join(frontier.LAYOUT)} --world-size {frontier.WORLD_SIZE} (+ the flags of each row)\n")
     rows = frontier.alone()
     print(table(rows, rows[0].total))
