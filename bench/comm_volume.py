@@ -13,7 +13,9 @@ Theoretical minimum per layout:
 
     DP (DDP)                   one all-reduce of the gradients
     DP (distributed optimizer) reduce-scatter of the gradients + all-gather of the parameters
-                               (also the yardstick for ZeRO-2/3, which trade volume for memory)
+                               (also the yardstick for ZeRO-2/3, which trade volume for memory); with
+                               --fp8-param-gather the linears' weights gather 1 byte an element, plus the
+                               all-reduce of their amaxes (one fp32 per weight) over TP x DP x CP
     TP (Megatron, no SP)       per microbatch 4L+2 all-reduces of [b, s, h] activations (2 per layer
                                forward and backward, the embedding output, the head input's gradient)
                                plus the vocab-parallel loss's 3 fp32 [b, s] all-reduces
@@ -62,6 +64,10 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     # backward: their ratios against the ZeRO-1 minimum show what the memory saving costs.
     "DP=4 ZeRO-2, 2 microbatches": (4, ["--zero-stage", "2", "--global-batch-size", "8"]),
     "DP=4 ZeRO-3": (4, ["--zero-stage", "3"]),
+    # FP8 GEMMs with bf16 weights against FP8 primary weights: the parameter all-gather moves the linears' weights
+    # in FP8, half of bf16's bytes (the per-step amax all-reduce, one fp32 per weight, rides on the dp row).
+    "DP=4 dist-opt FP8 GEMMs": (4, ["--use-distributed-optimizer", "--bf16", "--fp8-format", "e4m3"]),
+    "DP=4 dist-opt FP8 weights": (4, ["--use-distributed-optimizer", "--bf16", "--fp8-format", "e4m3", "--fp8-param-gather"]),
     "TP=2": (2, ["--tensor-model-parallel-size", "2"]),
     "TP=2 SP": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "CP=2 p2p": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
@@ -174,7 +180,7 @@ class Counter:
         self.bus_bytes[name] = self.bus_bytes.get(name, 0.0) + RING[kind] * (p - 1) / p * payload
 
 
-def group_names(state) -> dict[int, str]:
+def group_names(state, optimizer=None) -> dict[int, str]:
     import torch.distributed as dist
 
     names: dict[int, str] = {}
@@ -182,6 +188,9 @@ def group_names(state) -> dict[int, str]:
         group = getattr(state, f"{name}_group")
         if group is not None:
             names.setdefault(id(group), name)
+    stage = getattr(optimizer, "stage_group", None)  # TP x DP x CP: FP8 weights' and fp16 moments' amaxes
+    if stage is not None:
+        names.setdefault(id(stage), "stage")
     names.setdefault(id(dist.group.WORLD), "world")
     return names
 
@@ -189,6 +198,7 @@ def group_names(state) -> dict[int, str]:
 def theory(cfg, state, optimizer, ep_minimum: float = 0.0) -> dict[str, float]:
     """Minimum bus bytes per rank for this layout, by row ('dp', 'tp' or 'ep'; `ep_minimum`: the dispatches' forward)."""
     import torch
+    import torch.distributed as dist
 
     out: dict[str, float] = {}
     from tricorn.model.init import is_expert
@@ -196,6 +206,7 @@ def theory(cfg, state, optimizer, ep_minimum: float = 0.0) -> dict[str, float]:
     params = optimizer.params
     grad_bytes = torch.finfo(optimizer.opts.grad_dtype).bits // 8
     param_bytes = params[0].element_size()
+    fp8 = [q for q in params if getattr(q, "fp8_primary", False)]  # FP8 primary weights gather 1 byte an element
     p = state.dp_size * state.cp_size
     # MoE experts are reduced over their expert-DP group only (DP x CP / EP ranks).
     ep = cfg.parallel.expert_model_parallel_size
@@ -206,9 +217,14 @@ def theory(cfg, state, optimizer, ep_minimum: float = 0.0) -> dict[str, float]:
         if size > 1 and numel:
             grad_volume = numel * grad_bytes
             if optimizer.opts.distributed:
-                out["dp"] = out.get("dp", 0.0) + (size - 1) / size * (grad_volume + numel * param_bytes)
+                fp8_saving = sum(q.numel() for q in fp8 if not is_expert(q)) * (param_bytes - 1) if size == p else 0
+                out["dp"] = out.get("dp", 0.0) + (size - 1) / size * (grad_volume + numel * param_bytes - fp8_saving)
             else:
                 out["dp"] = out.get("dp", 0.0) + 2 * (size - 1) / size * grad_volume
+    stage = getattr(optimizer, "stage_group", None)
+    if fp8 and stage is not None and dist.get_world_size(stage) > 1:  # the FP8 weights' amaxes, one fp32 each
+        q = dist.get_world_size(stage)
+        out["dp"] = out.get("dp", 0.0) + 2 * (q - 1) / q * 4 * len(fp8)
     if ep_minimum:  # dispatch and combine, forward and backward (the gradients of the same rows go back)
         out["ep"] = out["ep+routing"] = 4 * ep_minimum
     if state.cp_size > 1:  # CP attention per layer and microbatch (tricorn/planning/context_comm.py's minimum)
@@ -243,7 +259,7 @@ def worker(layout: str) -> None:
     trainer.run_iteration()  # warm-up: first-iteration-only work is not counted
     from tricorn.parallel import expert
 
-    counter = Counter(group_names(state), hidden=cfg.model.hidden_size)
+    counter = Counter(group_names(state, trainer.optimizer), hidden=cfg.model.hidden_size)
     counter.install()
     expert.A2A_COUNTER[0] = {"minimum": 0}
     try:
@@ -289,7 +305,7 @@ def summarize(layout: str, result: dict) -> list[dict]:
     """One row per parallel dimension: the busiest rank's bytes beside the minimum."""
     rows = []
     groups = {
-        "dp": ("dp", "dp_cp", "expert_dp"),
+        "dp": ("dp", "dp_cp", "expert_dp", "stage"),
         "tp": ("tp", "mp"),
         "cp": ("cp",),
         "ep": ("ep",),

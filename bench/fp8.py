@@ -47,12 +47,15 @@ def demo_data(out: Path) -> Path:
     return out / "stdlib_text_document"
 
 
-def train_losses(prefix: Path, tokenizer: Path, iters: int, extra: list[str], workdir: Path) -> tuple[float, float]:
-    """(mean training loss of the last 10 iterations, validation loss after the last)."""
+def train_losses(
+    prefix: Path, tokenizer: Path, iters: int, extra: list[str], workdir: Path, precision: tuple[str, ...] = ("--bf16",)
+) -> tuple[float, float]:
+    """(mean training loss of the last 10 iterations, validation loss after the last); ``precision``: the
+    parameters' dtype flag (none: fp32). bench/precision_optimizer.py trains through this too."""
     metrics = workdir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     argv = [
-        "--device", "cpu", "--model-preset", "tiny", "--bf16", "--data-path", str(prefix), "--split", "95,5,0",
+        "--device", "cpu", "--model-preset", "tiny", *precision, "--data-path", str(prefix), "--split", "95,5,0",
         "--data-cache-path", str(workdir / "cache"), "--tokenizer-type", "SentencePieceTokenizer",
         "--tokenizer-model", str(tokenizer), "--seq-length", "256", "--micro-batch-size", "4",
         "--global-batch-size", "16", "--train-iters", str(iters), "--lr", "2e-3", "--min-lr", "2e-4",

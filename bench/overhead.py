@@ -52,7 +52,7 @@ from tricorn.parallel.shard_state import adamw_kind  # noqa: E402
 from tricorn.parallel.state import destroy_parallel, init_parallel  # noqa: E402
 from tricorn.pinned import stand_in  # noqa: E402
 from tricorn.training.logging import MetricsLogger  # noqa: E402
-from tricorn.training.lr_schedule import learning_rate  # noqa: E402
+from tricorn.training.lr_schedule import schedule_from_config  # noqa: E402
 from tricorn.training.main import build_trainer  # noqa: E402
 
 
@@ -99,12 +99,13 @@ class Bare:
         self.opt = _adamw(param_groups([self.model], cfg.training.weight_decay), cfg, adamw_kind(torch.device("cpu")))
         self.iteration = 0
         self.device = torch.device("cpu")
+        self.schedule = schedule_from_config(cfg.training)
 
     def step(self, batch) -> None:
         t = self.cfg.training
         self.iteration += 1
         for group in self.opt.param_groups:
-            group["lr"] = learning_rate(t, self.iteration)
+            group["lr"] = self.schedule.lr()
         self.opt.zero_grad(set_to_none=True)
         n = batch.loss_mask.sum()
         for mb in _microbatches(self.cfg, batch):
@@ -113,6 +114,7 @@ class Bare:
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.clip_grad, foreach=True)
         self.opt.step()
+        self.schedule.step(t.global_batch_size)
         loss.item()
 
     def host_scalars(self) -> list[torch.Tensor]:

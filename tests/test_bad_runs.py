@@ -35,7 +35,7 @@ def test_checksum_mismatch_is_one_line_and_no_verify_skips_it(tmp_path):
     with open(shard, "r+b") as fh:  # 64 bytes of zeros: valid floats, so only the checksum can tell
         fh.seek(offset)
         fh.write(bytes(64))
-    flags = with_flag(BASE_FLAGS, "--train-iters", "3") + ["--load", str(ckpt)]
+    flags = with_flag(BASE_FLAGS, "--train-iters", "3") + ["--lr-decay-iters", "2", "--load", str(ckpt)]  # the saved schedule
     run = run_layout(flags, 1, tmp_path / "load", check=False)
     errors = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 1 and len(errors) == 1, run.stderr[-2000:]

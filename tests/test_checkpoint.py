@@ -114,7 +114,9 @@ def test_reshard_to_context_and_virtual_pipeline_parallel(reference, tmp_path, l
     ckpt, ref = reference
     run = run_layout(FLAGS + layout + ["--load", str(ckpt), "--ckpt-step", "3", "--save", str(tmp_path / "ck")], 2, tmp_path)
     assert_losses(run, ref, range(4, 7), RESHARD_RTOL)
-    back = run_layout(with_flag(FLAGS, "--train-iters", "7") + TP2PP2 + ["--load", str(tmp_path / "ck")], 4, tmp_path / "back")
+    # One iteration more, on the saved lr schedule (a longer --train-iters alone would stretch its decay: refused)
+    longer = with_flag(FLAGS, "--train-iters", "7") + ["--lr-decay-iters", "6"]
+    back = run_layout(longer + TP2PP2 + ["--load", str(tmp_path / "ck")], 4, tmp_path / "back")
     assert sorted(losses(back)) == [7]
 
 

@@ -217,12 +217,50 @@ class TrainingConfig:
         None, "START INCREMENT SAMPLES: grow the global batch.", nargs=3, type=int, bound=AT_LEAST_1
     )
     train_iters: int = _f(10, "Iterations to train.", bound=AT_LEAST_1)
+    train_samples: Optional[int] = _f(
+        None, "Samples to train (instead of --train-iters: iterations = samples / --global-batch-size).", bound=AT_LEAST_1
+    )
+    # The lr and weight-decay schedule: megatron-core's OptimizerParamScheduler, in samples (training/lr_schedule.py).
     lr: float = _f(1e-4, "Peak learning rate.", bound=NON_NEGATIVE)
     min_lr: float = _f(0.0, "Floor of the decayed learning rate.", bound=NON_NEGATIVE)
-    lr_decay_style: str = _f("linear", "Decay after warm-up.", choices=["constant", "linear", "cosine"])
+    lr_decay_style: str = _f(
+        "linear", "Decay after warm-up.", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"]
+    )
+    lr_wsd_decay_style: str = _f(
+        "exponential", "Shape of WSD's final anneal.", choices=["exponential", "linear", "cosine", "minus_sqrt"]
+    )
     lr_warmup_iters: int = _f(0, "Linear warm-up iterations.", bound=NON_NEGATIVE)
+    lr_warmup_samples: int = _f(0, "Linear warm-up samples (with --train-samples).", bound=NON_NEGATIVE)
+    lr_warmup_fraction: Optional[float] = _f(
+        None, "Warm-up as a fraction of the decay (instead of --lr-warmup-iters/-samples).", bound=PROBABILITY
+    )
+    lr_warmup_init: float = _f(0.0, "Learning rate the warm-up starts from (iteration 1's).", bound=NON_NEGATIVE)
     lr_decay_iters: Optional[int] = _f(None, "Iterations of decay (default: --train-iters).", bound=AT_LEAST_1)
+    lr_decay_samples: Optional[int] = _f(
+        None, "Samples of decay (with --train-samples; default: --train-samples).", bound=AT_LEAST_1
+    )
+    lr_wsd_decay_iters: Optional[int] = _f(None, "Iterations of WSD's final anneal (the end of the decay).", bound=AT_LEAST_1)
+    lr_wsd_decay_samples: Optional[int] = _f(None, "Samples of WSD's final anneal (with --train-samples).", bound=AT_LEAST_1)
+    override_opt_param_scheduler: bool = _f(
+        False,
+        "On resume, take the lr schedule's settings from the flags, not the checkpoint (its count is kept).",
+        aliases=["--override-opt_param-scheduler"],
+    )
+    use_checkpoint_opt_param_scheduler: bool = _f(
+        False,
+        "On resume, take the lr schedule's settings from the checkpoint, not the flags.",
+        aliases=["--use-checkpoint-opt_param-scheduler"],
+    )
     weight_decay: float = _f(0.01, "AdamW weight decay (not applied to biases and norms).", bound=NON_NEGATIVE)
+    start_weight_decay: Optional[float] = _f(
+        None, "Weight decay at the start of a --weight-decay-incr-style schedule.", bound=NON_NEGATIVE
+    )
+    end_weight_decay: Optional[float] = _f(
+        None, "Weight decay at the end of training, of a --weight-decay-incr-style schedule.", bound=NON_NEGATIVE
+    )
+    weight_decay_incr_style: str = _f(
+        "constant", "Weight decay from --start- to --end-weight-decay over training.", choices=["constant", "linear", "cosine"]
+    )
     adam_beta1: float = _f(0.9, "Adam beta1.", bound=PROBABILITY)
     adam_beta2: float = _f(0.999, "Adam beta2.", bound=PROBABILITY)
     adam_eps: float = _f(1e-8, "Adam epsilon.", bound=POSITIVE)
@@ -314,7 +352,7 @@ class DataConfig:
 class CheckpointConfig:
     save: Optional[str] = _f(None, "Directory to save checkpoints to.")
     load: Optional[str] = _f(None, "Directory to resume from (empty or absent: start fresh).")
-    save_interval: Optional[int] = _f(None, "Save every N iterations.", bound=AT_LEAST_1)
+    save_interval: Optional[int] = _f(None, "Save every N iterations.", bound=AT_LEAST_1, aliases=["--persistent-save-interval"])
     ckpt_step: Optional[int] = _f(None, "Load this iteration instead of the latest.", bound=NON_NEGATIVE)
     no_load_optim: bool = _f(False, "Do not load optimizer state.")
     no_load_rng: bool = _f(False, "Do not load RNG state.")
@@ -368,6 +406,7 @@ class Config:
     model_preset: Optional[str] = None
     dry_run: bool = False
     world_size: int = 1
+    megatron_notice: Optional[str] = None  # the start-up line of a Megatron command line (megatron_flags.py)
 
     @property
     def data_parallel_size(self) -> int:

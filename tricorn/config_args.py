@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import os
 from typing import Optional
 
 from tricorn.config import SECTIONS, Config, ConfigError, ModelConfig
 from tricorn.fields import field_kind, flag_of, value_error, yaml_type_error
+from tricorn.megatron_flags import PREFIX as MEGATRON
+from tricorn.megatron_flags import check_command_line, megatron_defaults, megatron_notice, run_context
 from tricorn.presets import PRESETS
 
 
@@ -33,8 +36,9 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message}; see --help")
 
 
-def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
-    """The command line, generated from the dataclasses (defaults are None so we can tell what was given)."""
+def build_parser(prog: str = "pretrain_gpt.py", megatron: bool = True) -> argparse.ArgumentParser:
+    """The command line, generated from the dataclasses (defaults are None so we can tell what was given); with
+    `megatron`, also every other flag of Megatron-LM's parser, hidden (tricorn/megatron_flags.py)."""
     parser = _Parser(
         prog=prog, description="tricorn: Megatron-style 3D-parallel GPT pretraining.", argument_default=argparse.SUPPRESS
     )
@@ -51,21 +55,32 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
             meta = dict(f.metadata)
             helptext = meta.pop("help")
             negate = meta.pop("negate", None)
+            names = [flag, *meta.pop("aliases", [])]  # Megatron's other spellings of the same flag
             meta.pop("bound", None)
             base, _ = field_kind(f)
             if base == "bool":
                 if negate:
                     group.add_argument(negate, dest=f.name, action="store_false", help=helptext + " (on by default)")
-                    group.add_argument(flag, dest=f.name, action="store_true", help=argparse.SUPPRESS)
+                    group.add_argument(*names, dest=f.name, action="store_true", help=argparse.SUPPRESS)
                 else:
-                    group.add_argument(flag, dest=f.name, action="store_true", help=helptext)
+                    group.add_argument(*names, dest=f.name, action="store_true", help=helptext)
                 continue
             if "type" not in meta:
                 meta["type"] = {"int": int, "float": float}.get(base, str)
             if "choices" in meta and meta["type"] is str:
                 meta["choices"] = [str(c) for c in meta["choices"]]
-            group.add_argument(flag, dest=f.name, help=helptext, **meta)
+            group.add_argument(*names, dest=f.name, help=helptext, **meta)
+    if megatron:
+        from tricorn.megatron_flags import add_megatron_options
+
+        add_megatron_options(parser)
     return parser
+
+
+@functools.lru_cache(maxsize=1)
+def _parser() -> argparse.ArgumentParser:
+    """pretrain_gpt.py's parser, built once (its ~700 hidden Megatron options take a while; parsing mutates nothing)."""
+    return build_parser()
 
 
 def _suggest(key: str, options: list[str]) -> str:
@@ -73,7 +88,8 @@ def _suggest(key: str, options: list[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _apply_yaml(cfg: Config, path: str) -> None:
+def _apply_yaml(cfg: Config, path: str) -> set[str]:
+    """Apply a --config file; returns the field names it set."""
     import yaml
 
     try:
@@ -87,6 +103,7 @@ def _apply_yaml(cfg: Config, path: str) -> None:
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     top_keys = list(SECTIONS) + ["device", "model_preset"]
     errors: list[str] = []
+    given: set[str] = set()
     for key, value in data.items():
         if key in ("device", "model_preset"):
             if value is not None and not isinstance(value, str):
@@ -112,8 +129,10 @@ def _apply_yaml(cfg: Config, path: str) -> None:
             else:
                 is_float = v is not None and field_kind(fields[k2])[0] == "float"  # None: an unset Optional
                 setattr(section, k2, float(v) if is_float else v)
+                given.add(k2)
     if errors:
         raise ConfigError("; also: ".join(errors))
+    return given
 
 
 def field_errors(cfg: Config) -> list[str]:
@@ -134,10 +153,13 @@ def field_errors(cfg: Config) -> list[str]:
 
 def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> Config:
     """Defaults <- preset <- YAML <- flags. Raises ConfigError; does not validate."""
-    args = vars(build_parser().parse_args(argv))  # ConfigError on a malformed flag
+    args = vars(_parser().parse_args(argv))  # ConfigError on a malformed flag
+    megatron_only = {k.removeprefix(MEGATRON): args.pop(k) for k in list(args) if k.startswith(MEGATRON)}
     cfg = Config()
-    if "config" in args:
-        _apply_yaml(cfg, args.pop("config"))
+    given = set(args)  # the fields set by a flag, the YAML or the preset (not defaults)
+    with_yaml = "config" in args
+    if with_yaml:
+        given |= _apply_yaml(cfg, args.pop("config"))
     preset = args.pop("model_preset", None) or cfg.model_preset
     if preset is not None:
         if preset not in PRESETS:
@@ -151,6 +173,7 @@ def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int]
         for k, v in PRESETS[preset].items():
             if yaml_model[k] == defaults[k]:
                 setattr(cfg.model, k, v)
+        given |= set(PRESETS[preset])
     cfg.device = args.pop("device", None) or cfg.device or default_device()
     if "dry_run" in args:
         cfg.dry_run = args.pop("dry_run")
@@ -161,10 +184,19 @@ def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int]
     cfg.world_size = (
         world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     )
+    applied = megatron_defaults(cfg, given) if megatron_only and not with_yaml else {}
     errors = field_errors(cfg)
+    if cfg.training.train_samples is not None and "train_iters" in given:
+        errors.append(
+            "--train-samples and --train-iters are exclusive (Megatron's sample-based training sets the iterations); give one"
+        )
     if errors:  # before the derived values: they divide by the parallel sizes
         raise ConfigError("; also: ".join(errors))
     _resolve_defaults(cfg)
+    noops, refusals = check_command_line(megatron_only, run_context(cfg))
+    if refusals:
+        raise ConfigError(f"Megatron flags tricorn does not implement: {'; '.join(refusals)}")
+    cfg.megatron_notice = megatron_notice(noops, applied)
     return cfg
 
 
@@ -178,7 +210,10 @@ def _resolve_defaults(cfg: Config) -> None:
     t = cfg.training
     if t.global_batch_size is None and cfg.data_parallel_size > 0:
         t.global_batch_size = t.micro_batch_size * cfg.data_parallel_size
-    if t.lr_decay_iters is None:
+    if t.train_samples is not None and t.global_batch_size:
+        # Megatron's update_train_iters: samples / the (final) global batch, the ramp-up left out as Megatron 0.19 does.
+        t.train_iters = max(1, t.train_samples // t.global_batch_size)
+    elif t.lr_decay_iters is None:
         t.lr_decay_iters = t.train_iters
 
 

@@ -171,6 +171,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     except SystemExit as e:  # argparse already printed the problem
         return int(e.code or 2)
+    if cfg.megatron_notice:  # a Megatron command line: its no-ops, in one line
+        print(f"tricorn plan: {cfg.megatron_notice}", file=sys.stderr)
     name = cfg.model_preset or f"{model.num_layers}x{model.hidden_size}"
     if args.max_model:
         best = max_model(model, cluster, gbs, precision)

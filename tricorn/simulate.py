@@ -255,6 +255,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"tricorn simulate: error: {e}", file=sys.stderr)
         return 2
+    if cfg.megatron_notice:  # a Megatron command line: its no-ops, in one line
+        print(f"tricorn simulate: {cfg.megatron_notice}", file=sys.stderr)
     records = simulate(cfg, ranks, extra.simulate_iters)
     print(json.dumps(records, indent=1) if extra.json else format_table(records))
     return 0

@@ -24,6 +24,7 @@ from tricorn.parallel.pipeline.stages import validate_pipeline
 from tricorn.parallel.precision import validate_precision
 from tricorn.parallel.recompute import validate_recompute
 from tricorn.parallel.te import validate_te
+from tricorn.training.lr_schedule import schedule_errors
 
 
 def validate(cfg: Config) -> list[str]:
@@ -90,6 +91,7 @@ def validate(cfg: Config) -> list[str]:
         )
     if t.min_lr > t.lr:
         errs.append(f"--min-lr {t.min_lr} is above --lr {t.lr}; the decay would raise the learning rate")
+    errs += schedule_errors(t)
     if t.bf16 and t.fp16:
         errs.append("--bf16 and --fp16 are exclusive; pick one")
     if cfg.device not in ("cpu", "cuda"):

@@ -161,7 +161,7 @@ def check_peak(extra: list[str]) -> None:
         was = unit.gathered
         gather(sharder, unit, wait)
         if not was:
-            params.peak = max(params.peak, sum(u.bucket.param_flat.untyped_storage().nbytes() for u in sharder.units))
+            params.peak = max(params.peak, sum(b.param_flat.untyped_storage().nbytes() for u in sharder.units for b in u.buckets))
 
     data_parallel.Bucket.grad_accumulator = tracked_accumulator
     zero3.ParamSharder._gather = tracked_gather
@@ -184,11 +184,13 @@ def check_peak(extra: list[str]) -> None:
     if opt.sharders[0] is not None:
         units = opt.sharders[0].units
         size = dp.buckets[0].param_flat.element_size()
-        kept = sum(u.bucket.numel for u in units if u.kept) * size  # the tied embedding, read again by the head
-        unit = max(u.bucket.numel for u in units if not u.kept) * size
+        kept = sum(b.numel for u in units if u.kept for b in u.buckets) * size  # the tied embedding, read again by the head
+        unit = max(sum(b.numel for b in u.buckets) for u in units if not u.kept) * size
         bound = kept + 3 * unit  # the unit in use, the one prefetched, and one whose gradients are still arriving
         assert 0 < params.peak <= bound, f"{where}: {params.peak} bytes of gathered parameters > {bound}"
-        assert params.peak < sum(u.bucket.numel for u in units) * size / 2, f"{where}: half the model gathered at once"
+        assert params.peak < sum(b.numel for u in units for b in u.buckets) * size / 2, (
+            f"{where}: half the model gathered at once"
+        )
     if STATE.rank == 0:
         print(f"peak {extra}: grads {peak} <= {full / world + 2 * bucket} (full {full}, bucket {bucket}); params {params.peak}")
 

@@ -153,6 +153,8 @@ class Checkpointer:
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
             "optimizer_dtypes": state_dtypes(opt),
             "lr": trainer.current_lr(),
+            # Megatron's OptimizerParamScheduler state (its keys; training/lr_schedule.py), exact at a save
+            io.SCHEDULER_STATE: trainer.lr_schedule.exact().state_dict(),
             "layout": self.layout(),
             "saved_at": time.time(),
         }
@@ -316,6 +318,7 @@ class Checkpointer:
         self.console(f"checkpoint: {note}")
         if path is None:
             return 0
+        self._loaded_path = path
         meta, md = io.verify_checkpoint(path, self.cfg.model)
         self._verify_checksums(path, md)
         # A weights-only checkpoint (`tricorn import-hf`) has no optimizer state, data position or RNG states:
@@ -331,6 +334,7 @@ class Checkpointer:
         if no_optimizer_state and not c.no_load_optim:
             self.console(f"checkpoint: {path} holds no optimizer state ({meta.get('source', 'an import')}): fresh Adam moments")
         self._load_progress(trainer, meta, load_optim)
+        self._load_schedule(trainer, meta)
         self._load_rng(path, meta)
         self.loaded_iteration = trainer.iteration
         return trainer.iteration
@@ -424,6 +428,40 @@ class Checkpointer:
             f"checkpoint: resuming after iteration {trainer.iteration} "
             f"({meta['consumed_train_samples']} samples consumed; saved at {_layout_str(meta['layout'])})"
         )
+
+    def _load_schedule(self, trainer, meta: dict) -> None:
+        """The lr schedule, loaded as Megatron's: with the optimizer only, so --no-load-optim starts it again at
+        sample 0 (warm-up included) while the iteration goes on. A checkpoint written before the schedule was
+        Megatron's (no scheduler state) keeps its own: its iteration i ran at the lr of i x global batch samples,
+        so it resumes one global batch ahead of Megatron's count, and its curve goes on without a jump."""
+        c, t = self.cfg.checkpoint, self.cfg.training
+        schedule = trainer.lr_schedule.schedule
+        if c.no_load_optim:
+            self.console(
+                "checkpoint: --no-load-optim: the lr schedule starts again at sample 0 (Megatron loads it with the optimizer)"
+            )
+            return
+        if io.SCHEDULER_STATE in meta and meta[io.SCHEDULER_STATE] is None:
+            self.console(
+                f"checkpoint: it holds no lr scheduler state ({meta.get('source', 'on purpose')}): the schedule starts at sample 0"
+            )
+            return
+        state = meta.get(io.SCHEDULER_STATE)
+        if state is None:
+            schedule.num_steps = (int(meta["iteration"]) + 1) * int(t.global_batch_size)
+            self.console(
+                f"checkpoint: saved before tricorn's lr schedule was Megatron's: it keeps its own (iteration i at the "
+                f"lr of i x global batch samples, Megatron's at i - 1), from {schedule.num_steps} samples on"
+            )
+            return
+        try:
+            changed = schedule.load_state_dict(
+                state, override=t.override_opt_param_scheduler, use_checkpoint=t.use_checkpoint_opt_param_scheduler
+            )
+        except ValueError as e:  # ScheduleMismatch, or a state without its count
+            raise CheckpointError(f"{self._loaded_path}: {e}") from None
+        for line in changed:
+            self.console(f"checkpoint: lr schedule: {line}")
 
     def _load_rng(self, path: Path, meta: dict) -> None:
         same = all(meta["layout"].get(k) == v for k, v in self.layout().items() if k in ("tp", "pp", "vpp", "cp", "dp"))

@@ -353,11 +353,15 @@ META_SCHEMA: dict[str, tuple[tuple[type, ...], Optional[float]]] = {
     "loss_scaler": ((dict, type(None)), None),
     "layout": ((dict,), None),
 }
-# Keys only some runs write (--skip-samples, --check-for-spiky-loss): checked when present.
+# meta.json's lr scheduler state: Megatron's OptimizerParamScheduler.state_dict() (training/lr_schedule.py).
+# Checkpoints written before tricorn's schedule was Megatron's have none (their lr was a function of the iteration).
+SCHEDULER_STATE = "opt_param_scheduler"
+# Keys only some runs write (--skip-samples, --check-for-spiky-loss), or older checkpoints lack: checked when present.
 OPTIONAL_META: dict[str, tuple[tuple[type, ...], Optional[float]]] = {
     "skipped_train_samples": ((int,), 0),
     "spiky_loss": ((dict,), None),
     "optimizer_dtypes": ((dict,), None),  # --use-precision-aware-optimizer: each optimizer state's stored dtype
+    SCHEDULER_STATE: ((dict, type(None)), None),  # null: none saved on purpose (the schedule starts at sample 0)
 }
 LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "dp")
 # meta.json of an import that carries the run's progress but no optimizer state (`import-megatron --no-load-optim`)
@@ -443,10 +447,27 @@ def load_errors(cfg: Any) -> list[str]:
     try:
         path, _ = find_checkpoint(Path(c.load), c.ckpt_step)
         if path is not None:
-            verify_checkpoint(path, cfg.model)
+            meta, _ = verify_checkpoint(path, cfg.model)
+            _check_schedule(path, meta, cfg)
     except CheckpointError as e:
         return [str(e)]
     return []
+
+
+def _check_schedule(path: Path, meta: dict, cfg: Any) -> None:
+    """The flags' lr schedule against the checkpoint's, as the load will take it (Megatron's rules, before launch)."""
+    from tricorn.training.lr_schedule import schedule_from_config
+
+    c, t = cfg.checkpoint, cfg.training
+    state = meta.get(SCHEDULER_STATE)
+    if state is None or c.no_load_optim or c.finetune or meta.get("weights_only"):
+        return
+    try:
+        schedule_from_config(t).load_state_dict(
+            state, override=t.override_opt_param_scheduler, use_checkpoint=t.use_checkpoint_opt_param_scheduler
+        )
+    except ValueError as e:  # ScheduleMismatch, or a state without its count
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 # ---------------------------------------------------------------- RNG states as JSON

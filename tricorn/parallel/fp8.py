@@ -187,16 +187,20 @@ class _FP8Linear(torch.autograd.Function):
         if bias is not None:
             y = y + bias
         # tensorwise: the FP8 input (shard) and its scales; rowwise: the bf16 input (shard), requantised per GEMM
-        ctx.save_for_backward(*((xq, *scales) if not recipe.rowwise else (x2d,)), weight)
+        # An FP8 primary weight (fp8_params.py) is not saved: backward uses its FP8 data (a saved tensor would come
+        # back without its attributes), and its 16-bit parameter holds no storage.
+        ctx.fp8_weight = getattr(weight, "fp8_data", None)
+        keep = (weight,) if ctx.fp8_weight is None else ()
+        ctx.save_for_backward(*((xq, *scales) if not recipe.rowwise else (x2d,)), *keep)
         ctx.recipe, ctx.gather, ctx.in_split, ctx.has_bias = recipe, gather, in_split, bias is not None
-        ctx.fp8_weight = getattr(weight, "fp8_data", None)  # (a saved tensor comes back without its attributes)
-        ctx.x_shape = x.shape
+        ctx.x_shape, ctx.weight_shape = x.shape, weight.shape
         return y
 
     @staticmethod
     def backward(ctx, grad):
         recipe, gather = ctx.recipe, ctx.gather
-        *saved, weight = ctx.saved_tensors
+        saved = list(ctx.saved_tensors)
+        weight = saved.pop() if ctx.fp8_weight is None else None
         g2d = grad.reshape(-1, grad.shape[-1])
         # Under SP the input's shard is gathered again, overlapped with the input-gradient GEMM.
         overlap = gather is not None
@@ -209,7 +213,7 @@ class _FP8Linear(torch.autograd.Function):
             dx, finish_wgrad = _rowwise_backward(g2d, saved[0], weight, recipe, ctx.in_split)
         else:
             dx, finish_wgrad = _tensorwise_backward(g2d, saved, weight, recipe, ctx.fp8_weight)
-        dx = dx.view(*grad.shape[:-1], weight.shape[1])
+        dx = dx.view(*grad.shape[:-1], ctx.weight_shape[1])
         if overlap:
             gathering.wait()
             x_full = full.view(saved[0].dtype)

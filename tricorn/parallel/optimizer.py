@@ -33,7 +33,7 @@ iteration N's last microbatch, before any reduction. Tests use it; nothing else 
 
 Contract with the trainer (kept by every variant):
     zero_grad(); microbatch(is_last, chunk=c) context around each backward of model chunk c;
-    scale_loss(loss); finish_grad_sync(); step() -> StepInfo; set_lr(lr); state_dict()/load_state_dict().
+    scale_loss(loss); finish_grad_sync(); step() -> StepInfo; set_lr(lr, weight_decay); state_dict()/load_state_dict().
 For checkpoints: gathered_params(write_back) around reading/writing parameters,
 sharded_param_state() for the per-parameter optimizer state in global coordinates.
 """
@@ -58,7 +58,7 @@ from tricorn.parallel.grads import clip_grads, global_grad_norm, reduce_sequence
 from tricorn.parallel.loss_scaler import build_loss_scaler
 from tricorn.parallel.precision import StateDtypes, moment_scale, to_storage
 from tricorn.parallel.shard_state import ParamShard, ShardState, StepContext
-from tricorn.parallel.state import ParallelState, flatten
+from tricorn.parallel.state import ParallelState
 from tricorn.parallel.zero3 import ParamSharder, unit_params, zero3_units
 
 INJECT_INF_AT_ITER = "TRICORN_TEST_INJECT_INF_AT_ITER"
@@ -115,8 +115,7 @@ class Optimizer:
         # fp16 moments: per parameter, an upper bound of its largest moment, the same on every rank of the stage
         # (precision.py); their all-reduce runs over TP x DP x CP, the ranks that split one stage's parameters.
         self.moment_bounds = {m: torch.zeros(len(self.params), device=state.device) for m in self.dtypes.scaled}
-        fp8_weights = cfg.training.fp8_param_gather and cfg.model.transformer_impl == "local"
-        self.stage_group = flatten(state.mesh, ("dp", "cp", "tp")) if self.moment_bounds or fp8_weights else None
+        self.stage_group = getattr(state, "stage_group", None)  # created by init_parallel when either needs it
         # --fp8-param-gather: the FP8 linears' weights become FP8 bytes, cast from the masters (fp8_params.py)
         self.fp8_params = fp8_params_for(cfg, self.data_parallel, self.shards, self.stage_group)
         if self.fp8_params is not None:
@@ -273,9 +272,12 @@ class Optimizer:
         for dp in self.data_parallel:
             dp.close()
 
-    def set_lr(self, lr: float) -> None:
+    def set_lr(self, lr: Union[float, torch.Tensor], weight_decay: Optional[float] = None) -> None:
+        """The next step's lr (a float, or a 0-dim device tensor: training/lr_step.py) and the weight decay of the
+        decayed parameters (None: --weight-decay); biases and norms have none."""
+        wd = self.cfg.training.weight_decay if weight_decay is None else weight_decay
         for s in self.shards:
-            s.set_lr(lr)
+            s.set_lr(lr, wd)
 
     # ------------------------------------------------------------ parameters for other readers
 

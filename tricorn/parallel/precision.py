@@ -50,7 +50,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 NAMES = {v: k for k, v in DTYPES.items()}
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _M32 = 0xFFFFFFFF
-_HASH_MUL = 0x45D9F3B  # a 32-bit integer hash's multiplier (27 bits: products stay inside int64)
+_MUL = 0x5BD1E995  # an odd multiplier below 2^31 (MurmurHash2's): products of 32-bit values stay inside int64
 
 
 @dataclass(frozen=True)
@@ -119,23 +119,34 @@ def validate_precision(cfg: Config) -> list[str]:
 # ---------------------------------------------------------------- rounding
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash of int64 values in [0, 2^32), elementwise (every product fits int64)."""
-    x = (((x >> 16) ^ x) * _HASH_MUL) & _M32
-    x = (((x >> 16) ^ x) * _HASH_MUL) & _M32
-    return (x >> 16) ^ x
+def random_bits(index: torch.Tensor, key: int) -> torch.Tensor:
+    """32 random bits (in int64) per int64 ``index`` (< 2^32), determined by (key, index) only: a multiplicative
+    hash of index XOR key. For one element, as the key varies over steps (mix_seed, a full 64-bit
+    mix), index XOR key is uniform and multiplying by an odd constant mod 2^32 is a bijection, so the bits are
+    uniform: each rounding is unbiased. Across the elements of one step they form a low-discrepancy sequence,
+    which only evens the rounding out. Four integer operations, so the rounding costs little beside AdamW."""
+    return ((index ^ (key & _M32)) * _MUL) & _M32
 
 
 def uniform(index: torch.Tensor, key: int) -> torch.Tensor:
     """fp32 numbers in [0, 1) on a 2^-24 grid, one per int64 ``index`` (< 2^32), determined by (key, index) only."""
-    h = _hash32(_hash32(index ^ (key & _M32)) ^ ((key >> 32) & _M32))
-    return (h >> 8).to(torch.float32) * 2.0**-24
+    return (random_bits(index, key) >> 8).to(torch.float32) * 2.0**-24
+
+
+def stochastic_round_bf16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32) in bf16, stochastically: 16 random ``bits`` added below bf16's last mantissa bit, then cut off.
+    The carry reaches the last bit with probability (the cut part) / 2^16: the neighbour away from zero with
+    probability equal to the distance from the one toward zero over their spacing (either sign: the addition acts
+    on the magnitude's bit pattern). The sum cannot overflow int32 (finite floats' patterns stay below 2^31 from
+    either end); an inf stays inf."""
+    summed = x.view(torch.int32) + (bits >> 16).to(torch.int32)  # the hash's high bits are its best
+    return (summed & -65536).view(torch.float32).to(torch.bfloat16)  # -65536: 0xFFFF0000 as int32
 
 
 def stochastic_round(x: torch.Tensor, dtype: torch.dtype, u: torch.Tensor) -> torch.Tensor:
     """``x`` (fp32) in ``dtype``: the neighbour above |x| with probability (distance to the one below) / (their
     spacing), decided by ``u`` in [0, 1); values the dtype holds exactly, and non-finite ones, are kept. Unbiased:
-    E[result] = x."""
+    E[result] = x. (bf16 masters take stochastic_round_bf16, the same rule in three integer operations.)"""
     nearest = x.to(dtype)
     near = nearest.float()
     toward = torch.where(near < x, float("inf"), float("-inf")).to(dtype)
@@ -163,9 +174,12 @@ class KeyedRange:
         return self.lo + self.rows * self.cols
 
     def index(self, k0: int, k1: int, device: torch.device) -> torch.Tensor:
-        """The global flat index of the rectangle's elements k0..k1-1 (row-major)."""
-        k = torch.arange(k0, k1, dtype=torch.int64, device=device)
-        return (self.row0 + k // self.cols) * self.global_cols + self.col0 + k % self.cols
+        """The global flat index of the rectangle's elements k0..k1-1 (row-major): the rows they touch as a grid
+        (no division per element), cut to [k0, k1)."""
+        first, last = k0 // self.cols, (k1 - 1) // self.cols
+        rows = torch.arange(self.row0 + first, self.row0 + last + 1, dtype=torch.int64, device=device) * self.global_cols
+        cols = torch.arange(self.col0, self.col0 + self.cols, dtype=torch.int64, device=device)
+        return (rows[:, None] + cols[None, :]).reshape(-1)[k0 - first * self.cols : k1 - first * self.cols]
 
 
 def keyed_ranges(name: str, param: torch.Tensor, start: int, stop: int, lo: int) -> list[KeyedRange]:
@@ -192,14 +206,18 @@ def stochastic_store(work: torch.Tensor, store: torch.Tensor, ranges: list[Keyed
     """``work`` (fp32) into ``store`` with stochastic rounding, each element's random number keyed by (seed, optimizer
     step, name, global index); elements no range covers round to nearest. In chunks of ROUNDING_CHUNK elements."""
     keys = {r.name_key: mix_seed(seed, step, r.name_key) for r in ranges}
+    bf16 = store.dtype == torch.bfloat16
     for a in range(0, work.numel(), ROUNDING_CHUNK):
         b = min(a + ROUNDING_CHUNK, work.numel())
-        u = torch.full((b - a,), 0.5, dtype=torch.float32, device=work.device)
+        # Uncovered elements: bits 2^15 (bf16: to nearest, ties away) or u = 1/2 (to nearest).
+        rnd = torch.full((b - a,), 1 << 15 if bf16 else 0.5, dtype=torch.int64 if bf16 else torch.float32, device=work.device)
         for r in ranges:
             lo, hi = max(a, r.lo), min(b, r.hi)
             if lo < hi:
-                u[lo - a : hi - a] = uniform(r.index(lo - r.lo, hi - r.lo, work.device), keys[r.name_key])
-        store[a:b].copy_(stochastic_round(work[a:b], store.dtype, u))
+                draw = random_bits if bf16 else uniform
+                rnd[lo - a : hi - a] = draw(r.index(lo - r.lo, hi - r.lo, work.device), keys[r.name_key])
+        rounded = stochastic_round_bf16(work[a:b], rnd) if bf16 else stochastic_round(work[a:b], store.dtype, rnd)
+        store[a:b].copy_(rounded)
 
 
 # ---------------------------------------------------------------- fp16 moments: per-parameter scales

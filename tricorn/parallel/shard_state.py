@@ -16,14 +16,16 @@ them, and rounds the results back: moments to nearest (fp16 with their new per-p
 stochastically. With every state fp32 the step runs on the storage itself, exactly as before.
 
 Memory per owned element: master (4 as a copy, 0 when it is the parameters) + moments (8 in fp32, 4 in bf16 or
-fp16), plus offload staging buffers; transient during a precision-aware step, fp32 work copies of the bucket's
-states (at most 12 bytes per owned element of one bucket) and the rounding's chunked temporaries. No collectives.
+fp16), plus offload staging buffers; transient during the step, fp32 copies of 16-bit gradients (4 bytes per owned
+element, all buckets: the norm and the clip read them before any bucket steps) and, in a precision-aware step,
+fp32 work copies of one bucket's states (at most 12 bytes per owned element of that bucket) and the rounding's
+chunked temporaries. No collectives.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -101,8 +103,9 @@ class ShardState:
         self.exp_avg = _buffer(shard.numel(), dtypes.exp_avg, home, offload, pin)
         self.exp_avg_sq = _buffer(shard.numel(), dtypes.exp_avg_sq, home, offload, pin)
         self.precision_aware = not dtypes.all_fp32
-        needs_grad_copy = offload or bucket.grad_dtype != torch.float32
-        self.grad_staging = _buffer(bucket.shard_size, torch.float32, home, offload, pin) if needs_grad_copy else None
+        # Offloaded: a persistent host buffer the gradients are copied into. 16-bit gradients on the device are widened
+        # into a buffer that lives for the step only (nothing of it stays through forward and backward).
+        self.grad_staging = _buffer(bucket.shard_size, torch.float32, home, offload, pin) if offload else None
         self.param_staging = _buffer(shard.numel(), shard.dtype, home, offload, pin) if pin else None
         # (param, lo, hi, first element of the param): shard range [lo, hi) holds p.view(-1)[first : first + hi - lo].
         self.entries: list[tuple[nn.Parameter, int, int, int]] = []
@@ -116,10 +119,12 @@ class ShardState:
         self.fused = "fused" in kind
         self.kind = kind
         self.lr, self.betas, self.eps = t.lr, (t.adam_beta1, t.adam_beta2), t.adam_eps
-        # AdamW's two parameter groups, as Megatron's: no weight decay on biases and norms (1-D parameters).
+        # AdamW's two parameter groups, as Megatron's: no weight decay on biases and norms (1-D parameters). Each
+        # group's weight decay is its wd_mult (Megatron's) times the scheduled one (set_lr).
         decay = [i for i, (p, *_) in enumerate(self.entries) if p.ndim > 1]
         no_decay = [i for i, (p, *_) in enumerate(self.entries) if p.ndim <= 1]
-        self.groups = [(g, wd) for g, wd in ((decay, t.weight_decay), (no_decay, 0.0)) if g]
+        self.groups = [(g, mult) for g, mult in ((decay, 1.0), (no_decay, 0.0)) if g]
+        self.weight_decay = t.weight_decay
         step_device = home if self.fused else torch.device("cpu")
         self.steps = [torch.tensor(0.0, dtype=torch.float32, device=step_device) for _ in self.entries]
         if offload:  # host memory, as the state they count (registered so on a CPU run: tricorn/pinned.py)
@@ -143,9 +148,9 @@ class ShardState:
     def grads_for_step(self) -> torch.Tensor:
         """The reduced owned gradients as fp32 beside the master (copied when offloaded or reduced in bf16)."""
         grads = self.bucket.shard_grad()
-        if self.grad_staging is None:
-            return grads
-        return self.grad_staging.copy_(grads, non_blocking=is_pinned(self.grad_staging))
+        if self.grad_staging is not None:
+            return self.grad_staging.copy_(grads, non_blocking=is_pinned(self.grad_staging))
+        return grads if grads.dtype == torch.float32 else grads.float()
 
     # ------------------------------------------------------------ the step
 
@@ -168,7 +173,7 @@ class ShardState:
         else:
             found_inf = None
         views = [(master[lo:hi], grads[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]) for _, lo, hi, _ in self.entries]
-        for members, weight_decay in self.groups:
+        for members, wd_mult in self.groups:
             adamw(
                 *([views[i][k] for i in members] for k in range(4)),
                 [],
@@ -178,7 +183,7 @@ class ShardState:
                 beta1=self.betas[0],
                 beta2=self.betas[1],
                 lr=self.lr,
-                weight_decay=weight_decay,
+                weight_decay=self.weight_decay * wd_mult,
                 eps=self.eps,
                 maximize=False,
                 **self.kind,
@@ -227,8 +232,12 @@ class ShardState:
         if not self.alias:
             self.master.copy_(self.bucket.shard_param())
 
-    def set_lr(self, lr: float) -> None:
-        self.lr = lr
+    def set_lr(self, lr: Union[float, torch.Tensor], weight_decay: float) -> None:
+        """A tensor lr (a run whose steps can be skipped) goes to the fused kernel as it is; the offloaded step (on
+        the host) and the foreach fallback (no tensor lr without capturable) read it, as they read found_inf."""
+        if isinstance(lr, torch.Tensor) and (self.offloaded or not self.fused):
+            lr = float(lr)
+        self.lr, self.weight_decay = lr, weight_decay
 
     def _steps(self) -> list[torch.Tensor]:
         return self.steps

@@ -66,6 +66,9 @@ class ParallelState:
     expert_dp_group: Optional[dist.ProcessGroup] = None
     # Native FP8 (fp8.py): CP x TP of this stage, over which tensorwise amaxes are reduced; None without it.
     cp_tp_group: Optional[dist.ProcessGroup] = None
+    # TP x DP x CP: every rank of this pipeline stage, over which whole-parameter amaxes are reduced (fp16 moments,
+    # precision.py; FP8 primary weights, fp8_params.py); None without them.
+    stage_group: Optional[dist.ProcessGroup] = None
 
     def size(self, dim: str) -> int:
         return self.mesh.size(self.mesh.mesh_dim_names.index(dim))
@@ -213,7 +216,15 @@ def init_parallel(cfg: Config, init_method: Optional[str] = None) -> ParallelSta
         mp_group=flatten(mesh, ("pp", "tp")),
         **_expert_groups(mesh, rank, cfg.parallel.expert_model_parallel_size),
         cp_tp_group=flatten(mesh, ("cp", "tp")) if cfg.training.fp8_format and cfg.model.transformer_impl == "local" else None,
+        stage_group=flatten(mesh, ("dp", "cp", "tp")) if _parameter_amaxes(cfg) else None,
     )
+
+
+def _parameter_amaxes(cfg: Config) -> bool:
+    """Whether the optimizer reduces amaxes of whole parameters: fp16 moments, or native FP8 primary weights."""
+    t = cfg.training
+    fp16_moments = t.use_precision_aware_optimizer and "fp16" in (t.exp_avg_dtype, t.exp_avg_sq_dtype)
+    return fp16_moments or (t.fp8_param_gather and cfg.model.transformer_impl == "local")
 
 
 def configure_tf32(cfg: Config, device: torch.device) -> bool:

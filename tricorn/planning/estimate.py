@@ -281,6 +281,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"tricorn estimate: error: {e}", file=sys.stderr)
         return 2
+    if cfg.megatron_notice:  # a Megatron command line: its no-ops, in one line
+        print(f"tricorn estimate: {cfg.megatron_notice}", file=sys.stderr)
     rec = estimate_record(cfg, gpu_bytes)
     if extra.plot:
         plot(rec, extra.plot)

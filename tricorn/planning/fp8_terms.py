@@ -5,8 +5,7 @@ rank of a pipeline stage, for the GEMM weights of the dense linears (QKV, out pr
 embedding, head, norms, biases or routed experts, which TE does not run):
 
     weight cache      2 bytes per weight element: the FP8 copy and its transpose (the backward's dgrad GEMM
-                      reads the weight column-wise), cast at a global batch's first microbatch and kept
-                      (with --fp8-param-gather the FP8 copy is the parameter itself: the transpose only);
+                      reads the weight column-wise), cast at a global batch's first microbatch and kept;
                       MXFP8 adds one E8M0 scale per 32 elements to each (2/32). Under ZeRO-3 nothing is
                       cached (te.py) but each layer's FP8 copy is saved from its forward to its backward:
                       the same bytes per layer x microbatches in flight (``saved_weights``).
@@ -83,9 +82,7 @@ def te_fp8_terms(model: ModelConfig, layout: Layout, layers: int, in_flight: flo
         return Fp8Terms()
     weights, modules = dense_linear_weights(model, layout.tp)
     f8 = fp8_element_bytes(recipe)
-    # The FP8 copy and its transpose; with --fp8-param-gather the copy is the parameter itself (counted with the
-    # parameters by memory.py at FP8_PARAM_BYTES) and TE keeps the transpose only.
-    copies = (1 if layout.fp8_param_gather else 2) * f8 * weights * layers
+    copies = 2 * f8 * weights * layers  # the FP8 copy and its transpose
     per_quantizer = {"delayed": (AMAX_HISTORY_LEN + 2) * 4, "tensorwise": 2 * 4}.get(recipe, 0)
     scales = layers * modules * (FWD_QUANTIZERS + BWD_QUANTIZERS) * per_quantizer
     e = 4 if layout.precision == "fp32" else 2

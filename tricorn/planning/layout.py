@@ -101,7 +101,7 @@ class Layout:
             fp8_inputs=bool(t.fp8_format) and m.transformer_impl == "local" and (t.fp8_recipe or "tensorwise") == "tensorwise",
             offload_layers=m.cpu_offloading_num_layers,
             optimizer_offload=p.optimizer_cpu_offload,
-            fp8_param_gather=bool(t.fp8_format) and t.fp8_param_gather,
+            fp8_param_gather=bool(t.fp8_format) and t.fp8_param_gather and m.transformer_impl == "local",
             main_params_dtype=t.main_params_dtype if aware else "fp32",
             exp_avg_dtype=t.exp_avg_dtype if aware else "fp32",
             exp_avg_sq_dtype=t.exp_avg_sq_dtype if aware else "fp32",

@@ -21,7 +21,7 @@ runs by tricorn/planning/calibration.py and stored in tricorn/planning/data/step
   given, the rest split evenly; the last also runs the head); the pipeline takes t * (M + (PP - 1) / V) for M
   microbatches and V virtual stages (the bubble), plus the point-to-point sends.
 - DP: gradients are reduce-scattered (distributed optimizer) or all-reduced, and ZeRO-1/2 all-gather the
-  16-bit parameters after the optimizer step, at ``network`` x the network rate when the group leaves the node.
+  16-bit parameters after the optimizer step (the four linears' weights in FP8 with --fp8-param-gather, half the bytes), at ``network`` x the network rate when the group leaves the node.
   With --overlap-grad-reduce the reduction hides behind the backward except the last layer's bucket; with
   --overlap-param-gather the gather hides behind the first forward likewise. ZeRO-2 reduces every microbatch.
   ZeRO-3 gathers each layer's parameters in forward and again in backward and reduce-scatters its gradients,
@@ -32,8 +32,8 @@ runs by tricorn/planning/calibration.py and stored in tricorn/planning/data/step
   experts (``mlp_width_per_rank``).
 - optimizer: AdamW streams ~32 bytes per (sharded) parameter through HBM, fewer with 16-bit moments or masters
   (--use-precision-aware-optimizer); with --optimizer-cpu-offload the host steps instead (host_time.py).
-- memory features (host_time.py, assumptions, not calibrated): activation offload's copies to and from host
-  show where they outlast the compute beside them; --fp8-param-gather's FP8 weights are gathered at 1 byte.
+- activation offload (host_time.py, an assumption, not calibrated): its copies to and from host show where they
+  outlast the compute beside them.
 No collectives, no device work.
 """
 
@@ -246,7 +246,7 @@ def _dp_time(
     params = stage_params_per_rank(model, lay, 0, layers)
     grad_bytes = 2 if lay.grads_16bit else 4
     param_bytes = 2 if lay.precision != "fp32" else 4
-    fp8 = fp8_primary_elements(model, lay, layers)  # --fp8-param-gather: these weights are gathered in FP8
+    fp8 = fp8_primary_elements(model, lay, layers)  # --fp8-param-gather: these gather at FP8_PARAM_BYTES
     link = _link(cluster, lay.tp, shard)
     frac = (shard - 1) / shard
     rs = frac * params * grad_bytes / link

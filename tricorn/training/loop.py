@@ -45,7 +45,8 @@ from tricorn.timers import (
 )
 from tricorn.training.faults import maybe_inject
 from tricorn.training.logging import MetricsLogger, warn
-from tricorn.training.lr_schedule import learning_rate
+from tricorn.training.lr_schedule import schedule_from_config, steps_can_be_skipped
+from tricorn.training.lr_step import ScheduleDriver
 from tricorn.training.memory_report import iteration_peak, write_memory_report
 from tricorn.training.spikes import SpikeGuard
 from tricorn.training.stragglers import StragglerMonitor, StragglerReport
@@ -64,7 +65,7 @@ class IterationResult:
 
     loss: Number
     grad_norm: Number
-    lr: float
+    lr: Optional[float]  # after the scheduler step, as Megatron logs it (None until the log line settles the skips)
     skipped: Union[torch.Tensor, bool]
     loss_scale: Number
     global_batch_size: int
@@ -95,6 +96,12 @@ class Trainer:
     spikes: Optional[SpikeGuard] = None  # --check-for-spiky-loss: skips spiky iterations on the device (spikes.py)
     stragglers: Optional[StragglerMonitor] = None  # each rank's own work, gathered at log lines (stragglers.py)
     straggler_report: Optional[StragglerReport] = None  # of the last log line (logging.py shows it)
+    lr_schedule: Optional[ScheduleDriver] = None  # Megatron's lr schedule (lr_schedule.py, lr_step.py); built if None
+
+    def __post_init__(self) -> None:
+        if self.lr_schedule is None:
+            t = self.cfg.training
+            self.lr_schedule = ScheduleDriver(schedule_from_config(t), self.state.device, steps_can_be_skipped(t))
 
     # ------------------------------------------------------------ batches
 
@@ -139,6 +146,7 @@ class Trainer:
             self.optimizer.finish_grad_sync()
         with self.timers(OPTIMIZER_STEP):
             self._wait_step_fences()
+            self.optimizer.set_lr(*self.lr_schedule.for_step())
             if self.spikes is None:
                 info = self.optimizer.step()
             else:  # the global loss is needed before the step: the spike guard may veto it
@@ -176,8 +184,8 @@ class Trainer:
         return total.item() / self.cfg.data.eval_iters  # one host read per evaluation
 
     def current_lr(self) -> float:
-        """The learning rate of the last iteration run (of iteration 1 before any): what a checkpoint records."""
-        return learning_rate(self.cfg.training, max(self.iteration, 1))
+        """The lr of the next iteration (after the last scheduler step, as Megatron logs it): what a checkpoint records."""
+        return self.lr_schedule.current_lr()
 
     def logs_at(self, iteration: int) -> bool:
         return iteration % self.cfg.logging.log_interval == 0 or iteration == self.cfg.training.train_iters
@@ -186,12 +194,12 @@ class Trainer:
         start = time.perf_counter()
         self.iteration += 1
         gbs, nmb = self.batch_sizes()
-        lr = learning_rate(self.cfg.training, self.iteration)
-        self.optimizer.set_lr(lr)
         with self.timers(DATA_LOADING), self._own_work():
             batch = self.train_loader.next(gbs)
         maybe_inject(self.state.rank, self.iteration)  # tests only: $TRICORN_TEST_FAULT kills/stops/stalls a rank
         loss, info = self.train_step(batch, nmb)
+        self.lr_schedule.after_step(gbs, info.skipped)  # Megatron's scheduler steps after a successful step only
+        lr = None if self.lr_schedule.skippable else self.lr_schedule.current_lr()
         t = self.cfg.training
         if t.check_for_nan_in_loss_and_grad:
             self._track_nan(loss, info)
@@ -247,12 +255,16 @@ class Trainer:
             "moe": self.moe.collect() if self.moe is not None else None,
             "stragglers": self.stragglers.gather(len(self.unlogged)) if self.stragglers is not None else None,
             "spikes": self.spikes.records() if self.spikes is not None else None,
+            "lr_skipped": self.lr_schedule.pending(),  # the samples of the skipped steps since the last log line
         }
         present = {k: t.flatten() for k, t in extras.items() if t is not None}
         flat = self.materialize(torch.cat(list(present.values())) if present else None)
         values: dict[str, list[float]] = {}
         for k, t in present.items():
             values[k], flat = flat[: t.numel()], flat[t.numel() :]
+        if "lr_skipped" in values:
+            self.lr_schedule.settle(values["lr_skipped"][0])
+        r.lr = self.lr_schedule.current_lr()  # Megatron's: after the last scheduler step
         if self.stragglers is not None:
             self.straggler_report = self.stragglers.report(values["stragglers"], self.iteration)
         self.logger.log_iteration(self)

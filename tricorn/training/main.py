@@ -38,6 +38,8 @@ def resolve_config(argv: Optional[list[str]]) -> Config:
     if errors:
         # One line, from one rank, exit 2 on every rank: every problem, the most layout-relevant first.
         sys.exit(fail("; also: ".join(errors), CONFIG_ERROR, prints=launch_rank() == 0))
+    if cfg.megatron_notice and launch_rank() == 0:  # a Megatron command line: its no-ops, in one line
+        print(f"tricorn: {cfg.megatron_notice}", flush=True)
     return cfg
 
 

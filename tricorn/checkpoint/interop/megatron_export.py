@@ -29,13 +29,15 @@ from tricorn.checkpoint.interop.hf_mapping import ConvertError
 from tricorn.checkpoint.interop.megatron import COMMON_KEY, local_group
 from tricorn.checkpoint.interop.megatron_mapping import Entry, split_tp, tensor_map, to_megatron, tricorn_shape
 from tricorn.config import ModelConfig
+from tricorn.training.lr_schedule import SCHEDULE_ARGS
 
-# tricorn config fields that are Megatron args of the same name and meaning, carried into an export's args.
+# tricorn config fields that are Megatron args of the same name and meaning, carried into an export's args (the lr
+# schedule's all: training/lr_schedule.py SCHEDULE_ARGS).
 CARRIED = {
-    "training": (
-        "micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters",
-        "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed", "bf16", "fp16",
-    ),
+    "training": tuple(dict.fromkeys((
+        "micro_batch_size", "global_batch_size", "train_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+        "clip_grad", "seed", "bf16", "fp16", *SCHEDULE_ARGS,
+    ))),
     "data": ("tokenizer_type", "tokenizer_model"),
 }  # fmt: skip
 
@@ -119,8 +121,11 @@ def export_megatron(
     start = time.perf_counter()
 
     def megatron_tensor(e: Entry) -> torch.Tensor:
-        entry = keys[f"model.{e.name}"]  # the parameters in their own dtype, as Megatron saves its model
-        return to_megatron(e.kind, read_one(ckpt, f"model.{e.name}", tuple(entry.size), entry.properties.dtype))
+        # The parameters in the model's dtype, as Megatron saves its model (an --fp8-param-gather run saved its FP8
+        # weights as their fp32 masters: cast to the dtype of the rest, which Megatron's parameters share).
+        entry = keys[f"model.{e.name}"]
+        value = read_one(ckpt, f"model.{e.name}", tuple(entry.size), entry.properties.dtype)
+        return to_megatron(e.kind, value.to(keys[f"model.{entries[0].name}"].properties.dtype))
 
     iteration = int(meta["iteration"])
     args = megatron_args(m, _saved_config(ckpt), fmt, iteration, tp)

@@ -46,27 +46,6 @@ REFUSED_ARCH: dict[str, tuple[Any, str]] = {
     "no_rope_freq": (None, "layers without RoPE (--no-rope-freq)"),
     "use_mup": (False, "muP scaling (--use-mup)"),
 }
-# Megatron args tricorn trains differently, listed in the imported config (value that matches tricorn).
-UNSUPPORTED: dict[str, Any] = {
-    "optimizer": "adam",
-    "lr_decay_style": ("constant", "linear", "cosine"),
-    "lr_warmup_fraction": None,
-    "lr_warmup_init": 0.0,
-    "decoupled_lr": None,
-    "weight_decay_incr_style": "constant",
-    "override_opt_param_scheduler": False,
-    "use_checkpoint_opt_param_scheduler": False,
-    "train_samples": None,
-    "rampup_batch_size": None,
-    "fp32_residual_connection": False,
-    "apply_query_key_layer_scaling": False,
-    "attention_softmax_in_fp32": False,
-    "fp8": None,
-    "calculate_per_token_loss": False,
-    "embedding_multiplier_scale": None,
-    "init_method_xavier_uniform": False,
-    "num_layers_per_virtual_pipeline_stage": None,
-}
 
 
 def _arg(args: dict, name: str, default: Any = None) -> Any:
@@ -117,27 +96,22 @@ def model_config_from_args(args: dict, where: str) -> ModelConfig:
 
 
 def unsupported_args(args: dict) -> list[str]:
-    """Megatron args whose values tricorn would not reproduce (the import goes on; the config lists them)."""
-    out = []
-    for name, fine in UNSUPPORTED.items():
-        value = args.get(name, fine if not isinstance(fine, tuple) else fine[0])
-        ok = value in fine if isinstance(fine, tuple) else (value == fine or (fine is None and value in (None, False)))
-        if not ok:
-            out.append(f"--{name.replace('_', '-')}={value}")
-    for name in ("start_weight_decay", "end_weight_decay"):  # Megatron fills both with --weight-decay by default
-        if args.get(name) not in (None, args.get("weight_decay")):
-            out.append(f"--{name.replace('_', '-')}={args[name]}")
-    return out
+    """Megatron args whose values tricorn would not reproduce (the import goes on; the config lists them): the
+    classification of every Megatron flag that pretrain_gpt.py also applies (tricorn/megatron_flags.py)."""
+    from tricorn.megatron_flags import not_reproduced
+
+    return not_reproduced(args)
 
 
 def training_fields(args: dict, scheduler: dict) -> dict[str, Any]:
-    """TrainingConfig fields of the run, from its args and lr scheduler state (samples -> iterations)."""
-    gbs = int(args.get("global_batch_size") or 1)
+    """TrainingConfig fields of the run: its batch, optimizer and precision args, and its lr schedule's args as
+    Megatron had them (the same names), so that the flags rebuild the schedule of the saved scheduler state
+    (training/lr_schedule.py; a resume checks that they agree). The peak and floor come from that state."""
+    from tricorn.training.lr_schedule import SCHEDULE_ARGS
+
     out: dict[str, Any] = {
         "micro_batch_size": int(args.get("micro_batch_size") or 1),
-        "global_batch_size": gbs,
-        "lr": float(scheduler.get("max_lr", args.get("lr") or 0.0)),
-        "min_lr": float(scheduler.get("min_lr", args.get("min_lr") or 0.0)),
+        "global_batch_size": int(args.get("global_batch_size") or 1),
         "weight_decay": float(args.get("weight_decay", 0.01)),
         "adam_beta1": float(args.get("adam_beta1", 0.9)),
         "adam_beta2": float(args.get("adam_beta2", 0.999)),
@@ -147,15 +121,19 @@ def training_fields(args: dict, scheduler: dict) -> dict[str, Any]:
         "bf16": bool(args.get("bf16")),
         "fp16": bool(args.get("fp16")),
     }
-    if args.get("train_iters"):
-        out["train_iters"] = int(args["train_iters"])
-    style = scheduler.get("lr_decay_style", args.get("lr_decay_style"))
-    if style in ("constant", "linear", "cosine"):
-        out["lr_decay_style"] = style
-    if "lr_warmup_steps" in scheduler:
-        out["lr_warmup_iters"] = int(scheduler["lr_warmup_steps"]) // gbs
-    if scheduler.get("lr_decay_steps"):
-        out["lr_decay_iters"] = max(1, int(scheduler["lr_decay_steps"]) // gbs)
+    out.update({k: args[k] for k in SCHEDULE_ARGS if args.get(k) is not None and k not in out})
+    if args.get("train_samples"):  # sample-based: Megatron derived train_iters from it (tricorn does too)
+        out.pop("train_iters", None)
+        out.pop("lr_decay_iters", None)  # Megatron's scheduler does not read it then
+    if out.get("weight_decay_incr_style", "constant") == "constant":  # Megatron filled both from --weight-decay
+        out.pop("start_weight_decay", None)
+        out.pop("end_weight_decay", None)
+    if out.get("lr_warmup_fraction") is not None:  # Megatron's scheduler ignores the others then
+        out.pop("lr_warmup_iters", None)
+        out.pop("lr_warmup_samples", None)
+    for ours, theirs in (("lr", "max_lr"), ("min_lr", "min_lr")):
+        if scheduler.get(theirs) is not None:
+            out[ours] = float(scheduler[theirs])
     return out
 
 
