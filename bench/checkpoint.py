@@ -53,23 +53,23 @@ def plain_save_seconds(trainer, ckpt) -> float:
     """One sync save without the writer's checksums (DCP's plain file system); the small files are still hashed."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    from tricorn.checkpoint import io as checkpoint_io
+    from tricorn.checkpoint import dcp_files
 
     class Plain(FileSystem):
         checksums: dict = {}
 
-    hashing, checkpoint_io.HashingFileSystem = checkpoint_io.HashingFileSystem, Plain
+    hashing, dcp_files.HashingFileSystem = dcp_files.HashingFileSystem, Plain
     try:
         start = time.perf_counter()
         ckpt.save(trainer)
         return time.perf_counter() - start
     finally:
-        checkpoint_io.HashingFileSystem = hashing
+        dcp_files.HashingFileSystem = hashing
 
 
 def build_trainer(args: argparse.Namespace, root: Path):
     from tricorn.checkpoint.checkpointer import Checkpointer
-    from tricorn.config import config_from_args
+    from tricorn.config_args import config_from_args
     from tricorn.parallel.state import init_parallel
     from tricorn.training.logging import MetricsLogger
     from tricorn.training.main import build_trainer

@@ -44,15 +44,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from recompute import raise_malloc_thresholds  # noqa: E402
 
-from tricorn.config import Config, config_from_args  # noqa: E402
+from tricorn.config import Config  # noqa: E402
+from tricorn.config_args import config_from_args
 from tricorn.host_reads import HostReadCounter  # noqa: E402
+from tricorn.lr_schedule import schedule_from_config  # noqa: E402
 from tricorn.model import GPTModel  # noqa: E402
 from tricorn.parallel.optimizer import param_groups  # noqa: E402
 from tricorn.parallel.shard_state import adamw_kind  # noqa: E402
 from tricorn.parallel.state import destroy_parallel, init_parallel  # noqa: E402
 from tricorn.pinned import stand_in  # noqa: E402
 from tricorn.training.logging import MetricsLogger  # noqa: E402
-from tricorn.training.lr_schedule import schedule_from_config  # noqa: E402
 from tricorn.training.main import build_trainer  # noqa: E402
 
 

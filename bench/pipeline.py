@@ -48,7 +48,7 @@ def measure_fbw(hidden: int, seq: int, micro: int, repeats: int) -> tuple[float,
     import torch
     import torch.distributed as dist
 
-    from tricorn.config import config_from_args
+    from tricorn.config_args import config_from_args
     from tricorn.model.transformer import GPTModel
     from tricorn.parallel import wgrad
     from tricorn.parallel.tensor import tensor_parallel_spec

@@ -60,7 +60,7 @@ def _env(rank: int, world: int, port: int, **extra: str) -> dict:
 
 
 def overhead_rank(blocks: int, block_iters: int, hang_minutes: float) -> None:
-    from tricorn.config import config_from_args
+    from tricorn.config_args import config_from_args
     from tricorn.parallel.state import destroy_parallel, init_parallel
     from tricorn.training.logging import MetricsLogger
     from tricorn.training.main import build_trainer

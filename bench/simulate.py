@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.plan_cli import verify
 from tricorn.planning.hardware import get_gpu
 from tricorn.planning.planner import plan

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tricorn.config import config_from_args  # noqa: E402
+from tricorn.config_args import config_from_args  # noqa: E402
 from tricorn.parallel.state import init_parallel  # noqa: E402
 from tricorn.training.logging import MetricsLogger  # noqa: E402
 from tricorn.training.main import build_trainer  # noqa: E402

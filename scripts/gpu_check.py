@@ -273,7 +273,7 @@ FP8_RUNS = [
 def engine_unavailable(r: Runner, extra: str, engine: str) -> Optional[str]:
     """Why an engine cannot run here (one line), or None: TE must import and run FP8 on this GPU; either engine's
     config must pass tricorn's own validation (an engine not built into this tricorn is refused there)."""
-    from tricorn.config import config_from_args
+    from tricorn.config_args import config_from_args
     from tricorn.validation import validate
 
     if engine == "transformer_engine":

@@ -278,7 +278,8 @@ def _parse_with_main(where: str, call) -> None:
 
 def check_pretrain_args(args: list[str], world_size: int, where: str = "") -> None:
     """pretrain_gpt.py's own parse and pre-launch validation, at the launcher's world size."""
-    from tricorn.config import ConfigError, config_from_args
+    from tricorn.config import ConfigError
+    from tricorn.config_args import config_from_args
     from tricorn.parallel.te import ON_THIS_NODE
     from tricorn.validation import validate
 

@@ -346,8 +346,9 @@ def test_token_ids_past_the_vocabulary_anywhere_are_refused(tmp_path, monkeypatc
     monkeypatch.setenv("WORLD_SIZE", str(tp))
     flags = DATA_FLAGS + ["--data-path", "data", "--tensor-model-parallel-size", str(tp), "--global-batch-size", "4"]
     # The padded vocabulary is 512 at TP 1 and 2 (500 rounded up to 128 x TP); the vocab-parallel embedding
-    # at TP 2 would silently mask the id, so only this check stands between the data and a wrong run.
-    assert_refused(flags, tmp_path, needle="data.bin holds token id 9000 outside the model's vocabulary [0, 512)")
+    # at TP 2 would silently mask the id, so only this check stands between the data and a wrong run. The bound
+    # is the real vocabulary, not the padded one: padding rows are never trained nor saved.
+    assert_refused(flags, tmp_path, needle="data.bin holds token id 9000 outside the model's vocabulary [0, 500)")
 
 
 def test_token_range_is_cached_beside_the_index_cache(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.parallel.batch_schedule import BatchScheduleError, MicrobatchCalculator, RampStage, validate_rampup
 
 

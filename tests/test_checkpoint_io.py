@@ -18,7 +18,8 @@ from harness import BASE_FLAGS, with_flag
 
 from tricorn.checkpoint import io
 from tricorn.checkpoint.io import CheckpointError
-from tricorn.config import config_from_args, dump_yaml
+from tricorn.config import dump_yaml
+from tricorn.config_args import config_from_args
 from tricorn.training.signals import ExitConditions
 
 CFG = config_from_args(BASE_FLAGS, world_size=1)

@@ -28,7 +28,7 @@ import pytest
 import torch
 from harness import BASE_FLAGS, FP32_RTOL, RunResult, assert_close, reference, run_layout, with_flag
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.planning.activations import layout_layer_bytes
 from tricorn.planning.layout import Layout
 

@@ -7,7 +7,8 @@ import sys
 import pytest
 from harness import BASE_FLAGS, ENTRY, with_flag
 
-from tricorn.config import PRESETS, ConfigError, config_from_args, dump_yaml
+from tricorn.config import PRESETS, ConfigError, dump_yaml
+from tricorn.config_args import config_from_args
 from tricorn.validation import validate
 
 

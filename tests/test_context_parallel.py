@@ -19,7 +19,7 @@ from badinput import assert_refused
 from harness import BASE_FLAGS, assert_equivalent, run_script, with_flag
 
 from tricorn.attention_kernels import EFFICIENT, FLASH, AttentionCall, cp_block_call, cuda_sdpa_kernel
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.parallel.context import COMM_TYPES, local_positions
 from tricorn.planning.activations import layout_layer_bytes
 from tricorn.planning.layout import Layout

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.data.base import batch_from_samples
 from tricorn.data.blended import BlendedDataset
 from tricorn.data.errors import DataError

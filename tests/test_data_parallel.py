@@ -12,7 +12,8 @@ from distopt_common import MBS1, reference_extra
 from harness import BASE_FLAGS, assert_equivalent, run_script
 from torch import nn
 
-from tricorn.config import MIN_BUCKET_ELEMENTS, ModelConfig, config_from_args, default_bucket_elements
+from tricorn.config import MIN_BUCKET_ELEMENTS, ModelConfig, default_bucket_elements
+from tricorn.config_args import config_from_args
 from tricorn.model import GPTModel
 from tricorn.parallel import wgrad
 from tricorn.parallel.data_parallel import Bucket, DataParallel, DPOptions, dp_options, plan_param_buckets

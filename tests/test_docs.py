@@ -61,7 +61,7 @@ def test_every_page_is_linked_from_the_readme():
 
 
 def test_every_help_flag_is_documented():
-    from tricorn.config import build_parser
+    from tricorn.config_args import build_parser
 
     flags = help_flags(build_parser())
     assert len(flags) > 100  # the parser really was read

@@ -22,7 +22,8 @@ import json
 import pytest
 from harness import BASE_FLAGS, run_layout, with_flag
 
-from tricorn.config import Config, config_from_args
+from tricorn.config import Config
+from tricorn.config_args import config_from_args
 from tricorn.planning import estimate as estimate_cli
 from tricorn.planning.memory import estimate_config
 

@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tricorn.config import PRESETS, ModelConfig, config_from_args
+from tricorn.config import PRESETS, ModelConfig
+from tricorn.config_args import config_from_args
 from tricorn.planning import flops
 from tricorn.planning.hardware import GPUS, peak_tflops
 

@@ -20,7 +20,7 @@ from badinput import assert_refused
 from fp8_reference import assert_gemm, dequantized
 from harness import BASE_FLAGS, assert_close, reference, run_layout, run_script, with_flag
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.parallel.fp8 import DTYPES, FP8Recipe, quantize, scale_for
 from tricorn.planning.memory import estimate_config
 

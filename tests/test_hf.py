@@ -160,7 +160,7 @@ def test_float32_rope_tables_are_transformers_bit_for_bit():
 
 
 def test_rope_scaling_flags_are_validated():
-    from tricorn.config import config_from_args
+    from tricorn.config_args import config_from_args
     from tricorn.validation import validate
 
     flags = "--mock-data --vocab-size 64 --use-rope-scaling --rope-scaling-low-freq-factor 4 --rope-scaling-high-freq-factor 1"

@@ -42,7 +42,7 @@ def offenders(files: list[Path], forbidden: tuple[str, ...]) -> list[str]:
         ),
         (sorted((PKG / "parallel").rglob("*.py")), ("tricorn.training", "tricorn.planning")),
         (sorted((PKG / "model").rglob("*.py")), ("torch.distributed", "tricorn.parallel", "tricorn.training")),
-        ([PKG / "timers.py"], ("tricorn.parallel", "tricorn.training")),
+        ([PKG / "timers.py", PKG / "profiling.py", PKG / "fr_trace.py"], ("tricorn.parallel", "tricorn.training")),
         (
             sorted((PKG / "planning").rglob("*.py")),
             ("tricorn.training", "tricorn.simulate", "tricorn.checkpoint", "tricorn.plan_cli"),

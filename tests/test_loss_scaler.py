@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from harness import run_script
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.parallel.loss_scaler import ConstantLossScaler, DynamicLossScaler, build_loss_scaler
 
 WORKER = Path(__file__).parent / "workers" / "dist_opt.py"

@@ -19,9 +19,9 @@ import pytest
 import torch
 from harness import BASE_FLAGS, run_layout, with_flag
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
+from tricorn.lr_schedule import LRSchedule, ScheduleMismatch, schedule_from_config, schedule_from_megatron
 from tricorn.parallel.batch_schedule import MicrobatchCalculator
-from tricorn.training.lr_schedule import LRSchedule, ScheduleMismatch, schedule_from_config, schedule_from_megatron
 from tricorn.training.lr_step import ScheduleDriver
 from tricorn.validation import validate
 

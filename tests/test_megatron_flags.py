@@ -14,7 +14,8 @@ from harness import ROOT, run_layout
 
 from tricorn import megatron_flag_table as table
 from tricorn import megatron_flags
-from tricorn.config import ConfigError, build_parser, config_from_args
+from tricorn.config import ConfigError
+from tricorn.config_args import build_parser, config_from_args
 from tricorn.megatron_flags import IMPLEMENTED, NO_OP, REFUSED, megatron_options, not_reproduced, status
 
 # The flags Megatron-LM's run in issue 38 had refused, and Megatron's usual model, optimizer and data flags.
@@ -140,13 +141,13 @@ def test_megatron_yaml_lists_the_math_a_checkpoints_args_ask_for():
     args = {"hidden_size": 64, "num_attention_heads": 4, "add_bias_linear": True, "add_qkv_bias": True}
     args.update(kv_channels=16, ckpt_format="torch", rerun_mode="validate_results", exit_signal="Signals.SIGTERM")
     assert not_reproduced(args) == []  # the format and the rerun machine say how Megatron ran, not what it trained
-    args.update(eod_mask_loss=True, calculate_per_token_loss=False, optimizer="sgd", tokenizer_type="GPT2BPETokenizer")
+    args.update(eod_mask_loss=True, calculate_per_token_loss=False, optimizer="sgd", tokenizer_type="BertWordPieceLowerCase")
     listed = not_reproduced(args)
     assert listed == [
         "--calculate-per-token-loss=False",
         "--optimizer=sgd",
         "--eod-mask-loss=True",
-        "--tokenizer-type=GPT2BPETokenizer",
+        "--tokenizer-type=BertWordPieceLowerCase",
     ], listed
 
 

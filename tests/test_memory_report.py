@@ -8,7 +8,7 @@ import torch
 from distopt_common import DIST, MBS1, reference_extra, reference_tb
 from harness import BASE_FLAGS, assert_equivalent, run_layout, with_flag
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.training.memory_report import KEYS, measure, report_path
 
 

@@ -308,7 +308,7 @@ def test_flops_and_params_count_active_experts():
     ],
 )
 def test_bad_moe_flags_are_one_line(flags, message):
-    from tricorn.config import config_from_args
+    from tricorn.config_args import config_from_args
     from tricorn.validation import validate
 
     argv = ["--mock-data", "--vocab-size", "100", "--device", "cpu", *flags.split()]
@@ -353,7 +353,8 @@ def test_planning_counts_expert_parallel_params_and_all_to_all_volume():
 
 
 def test_planner_searches_expert_parallelism_with_valid_flags():
-    from tricorn.config import PRESETS, config_from_args
+    from tricorn.config import PRESETS
+    from tricorn.config_args import config_from_args
     from tricorn.planning import planner, sbatch
     from tricorn.planning.hardware import get_gpu
     from tricorn.planning.step_time import Cluster

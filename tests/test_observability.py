@@ -14,7 +14,7 @@ import torch
 import yaml
 from harness import BASE_FLAGS, run_layout, with_flag
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.model.transformer import GPTModel
 from tricorn.planning import flops
 from tricorn.timers import NULL_TIMER, OPTIMIZER_STEP, PIPELINE_P2P_WAIT, Timer, Timers

@@ -11,7 +11,7 @@ import pytest
 import torch
 from harness import run_script
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.parallel.pipeline.build import build_model_chunks
 from tricorn.parallel.pipeline.p2p import activation_shape, wire_dtype
 

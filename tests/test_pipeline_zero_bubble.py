@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.parallel.pipeline import cli
 from tricorn.parallel.pipeline.schedules import (
     BACKWARD,

@@ -9,7 +9,8 @@ import re
 import pytest
 
 from tricorn import plan_cli
-from tricorn.config import PRESETS, ModelConfig, config_from_args
+from tricorn.config import PRESETS, ModelConfig
+from tricorn.config_args import config_from_args
 from tricorn.planning import calibration as cal
 from tricorn.planning import plan_checks, planner, sbatch
 from tricorn.planning.efficiency import Efficiency

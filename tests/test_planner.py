@@ -164,7 +164,7 @@ def test_sbatch_conventions(name: str) -> None:
 
 
 def test_emitted_flags_parse_as_pretrain_gpt_flags() -> None:
-    from tricorn.config import config_from_args
+    from tricorn.config_args import config_from_args
 
     lay = Layout(tp=4, pp=8, vpp=2, cp=2, dp=1, micro_batch=2, sequence_parallel=True, recompute="full", zero_stage=1)
     args = ["--model-preset", "llama3-70b", *sbatch.layout_args(lay, 512), *sbatch.llama_hyperparameters(70e9, 512 * 8192)]
@@ -190,7 +190,7 @@ def test_planner_considers_the_zero_bubble_schedules_and_writes_the_flag() -> No
     """Issue 30: for PP >= 2 the planner weighs zb-h1 (one chunk) and zbv / dualpipev (2 chunks of an even split,
     untied embeddings), never with FP8's own GEMMs; where one is fastest beyond the interval it comes first, and
     the sbatch flags name it."""
-    from tricorn.config import config_from_args
+    from tricorn.config_args import config_from_args
     from tricorn.parallel.pipeline.stages import validate_pipeline
 
     m = ModelConfig(**PRESETS["llama3-70b"])

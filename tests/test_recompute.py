@@ -14,7 +14,8 @@ import pytest
 import torch
 from harness import BASE_FLAGS, RunResult, assert_close, run_layout, with_flag
 
-from tricorn.config import ConfigError, ModelConfig, config_from_args
+from tricorn.config import ConfigError, ModelConfig
+from tricorn.config_args import config_from_args
 from tricorn.model.spec import LayerSpec
 from tricorn.model.transformer import GPTModel
 from tricorn.parallel.recompute import RecomputePlan, apply_recompute

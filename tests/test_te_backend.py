@@ -20,7 +20,7 @@ import te_standin
 import torch
 import torch.distributed as dist
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.model import GPTModel
 from tricorn.model.init import SHARD_ATTR
 from tricorn.parallel.tensor import tensor_parallel_spec

@@ -26,20 +26,14 @@ import pytest
 import te_standin
 import torch
 import torch.distributed as dist
+from real_tokenizers import OFFLINE  # what pip and npm print when the registry is unreachable
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.parallel.te import TE_BELOW, TE_MIN
 
 # The lowest and the highest release of the pinned range (pyproject.toml's `te` extra).
 TE_VERSIONS = ["2.8.0", "2.20.2"]
 FLAGS = "--device cpu --mock-data --num-layers 1 --hidden-size 64 --num-attention-heads 4 --seq-length 16 --vocab-size 100 --swiglu --bf16".split()
-OFFLINE = (
-    "Failed to establish",
-    "NewConnectionError",
-    "Temporary failure in name resolution",
-    "Network is unreachable",
-    "No matching distribution",
-)
 
 
 # ---------------------------------------------------------------- TE's sources, parsed

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.parallel.state import configure_tf32
 from tricorn.planning.hardware import GPUS, mfu_dtype, peak_tflops
 

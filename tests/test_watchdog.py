@@ -95,6 +95,18 @@ def test_a_rank_that_left_while_the_others_wait_is_named() -> None:
     assert line.startswith("hang: rank 2 (iteration 4, tricorn/training/main.py:250 _train) left the run"), line
 
 
+def test_a_rank_that_left_on_its_own_error_is_named_once_a_peers_collective_fails() -> None:
+    """Rank 1 ran out of memory and left (one line of its own); rank 0's TP all-reduce then failed: rank 1 is named
+    at once, not rank 0 after the whole timeout (rank 0 waits for the verdict outside any collective)."""
+    records = {0: Record(1, 3, Sample("p", "all_reduce", "tp 0,1")), 1: Record(1, 3, Sample("p", "all_reduce", "tp 0,1"))}
+    judge = _judge(records, timeout=60.0)
+    judge.observe(1, Record(2, 3, Sample("tricorn/training/main.py:280 _train"), done=True), 1.0)
+    assert judge.verdict(1.0) is None  # not before a collective failed: a peer finishing first is no hang
+    judge.observe(0, Record(2, 3, Sample("tricorn/training/main.py:286 _train"), failed=True), 2.0)
+    line = judge.verdict(2.0)
+    assert line.startswith("hang: rank 1 (iteration 3, tricorn/training/main.py:280 _train) left the run"), line
+
+
 def test_record_round_trip() -> None:
     rec = Record(12, 40, Sample("tricorn/x.py:3 f", "all_gather_into_tensor", "tp 0,1"), done=False, failed=True)
     assert Record.decode(rec.encode()) == rec
@@ -189,7 +201,8 @@ def test_stopped_rank_is_named_and_the_last_checkpoint_resumes_bitwise(tmp_path:
 
 
 def test_rank_stuck_in_python_of_tp2_dp2_is_named_with_its_groups(tmp_path: Path) -> None:
-    flags = FLAGS + ["--tensor-model-parallel-size", "2"]
+    dumps = tmp_path / "fr"
+    flags = FLAGS + ["--tensor-model-parallel-size", "2", "--flight-recorder-dump-path", str(dumps)]
     ranks, ended = _launch(flags, 4, tmp_path, "2:3:sleep")
     codes = [rc for rc, _, _ in ranks]
     # Every rank exits 75, rank 2 too: its main thread sleeps, its watchdog thread reads the verdict and ends it.
@@ -201,6 +214,37 @@ def test_rank_stuck_in_python_of_tp2_dp2_is_named_with_its_groups(tmp_path: Path
     assert "rank 1 (" not in line and "rank 3 (" not in line, line
     # One line from the whole job: rank 0 prints it, the others only record it.
     assert all("tricorn: error: hang:" not in err for _, _, err in ranks[1:])
+    # Every live rank (all four: rank 2's watchdog thread runs while its main thread sleeps) dumped its flight
+    # recorder, and the line says where; the analysis names rank 2 and its last collective.
+    assert line.endswith(f"; flight recorder dumps in {dumps} (tricorn fr-trace {dumps})"), line
+    assert sorted(p.name for p in dumps.iterdir()) == ["rank_0", "rank_1", "rank_2", "rank_3"]
+    check_flight_recorder_summary(dumps)
+
+
+def check_flight_recorder_summary(dumps: Path) -> None:
+    """Rank 2 slept at the start of iteration 3: every peer waits in a collective it never joined."""
+    from torch.distributed.flight_recorder.components.builder import build_db
+    from torch.distributed.flight_recorder.components.config_manager import JobConfig
+    from torch.distributed.flight_recorder.components.loader import read_dir
+
+    from tricorn import fr_trace
+
+    summary = fr_trace.summarize(fr_trace.read_dir(dumps))
+    assert summary[0] == "flight recorder: dumps of 4 of 4 ranks", summary
+    behind = [line for line in summary if line.startswith("behind: ")]
+    assert len(behind) == 1, summary
+    assert re.match(
+        r"behind: rank 2 \(in no collective; its last collective \w+ #\d+ over [\w-]+ [\d,-]+, completed\) holds up ", behind[0]
+    )
+    assert "dp 0,2 (at #" in behind[0] and "tp 2,3 (at #" in behind[0], behind
+    assert re.match(r"rank 0: waits in all_reduce #\d+ over dp 0,2", summary[1]), summary
+    assert summary[3].startswith("rank 2: in no collective; last completed "), summary
+    # torch's own analyser reads the same dumps (each group's ranks filled in as NCCL writes them) and finds the
+    # collectives rank 2 never joined.
+    args = JobConfig().parse_args([str(dumps), "-p", "rank_"])
+    details, version = read_dir(args)
+    db = build_db(details, args, version)
+    assert any(2 in (c.missing_ranks or ()) for c in db.collectives)
 
 
 def test_killed_rank_is_named_a_few_beats_after_its_peer_sees_the_connection_close(tmp_path: Path) -> None:

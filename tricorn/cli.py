@@ -33,6 +33,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "tricorn checkpoint (any layout) -> Megatron-LM checkpoint",
     ),
     "tb": ("tricorn.training.tb:main", "start TensorBoard on 127.0.0.1 and print the URL"),
+    "fr-trace": ("tricorn.fr_trace:main", "where each rank stopped in its collectives, from flight-recorder dumps of a hang"),
 }
 
 

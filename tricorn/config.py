@@ -23,6 +23,8 @@ from tricorn.fields import (
     POSITIVE,
     PROBABILITY,
     Bound,
+    flag_of,
+    value_error,
 )
 from tricorn.presets import PRESETS  # noqa: F401 - re-exported: the CLI and tests read the presets here
 
@@ -199,6 +201,15 @@ class ParallelConfig:
         "exits 75 (default: --distributed-timeout-minutes; fractions allowed).",
         bound=POSITIVE,
     )
+    # The flight recorder (Megatron's names): each rank's last collectives, dumped when the watchdog names a hang.
+    flight_recorder_dump_path: Optional[str] = _f(
+        None,
+        "Directory for the flight-recorder dumps (one file per rank, written when the watchdog names a hang or NCCL "
+        "times out; read them with `tricorn fr-trace DIR`); also turns the recorder's buffer on.",
+    )
+    flight_recorder_trace_buffer_size: int = _f(
+        2000, "Collectives each rank's flight recorder keeps (with --flight-recorder-dump-path).", bound=AT_LEAST_1
+    )
 
     @property
     def zero_stage_in_effect(self) -> int:
@@ -220,7 +231,7 @@ class TrainingConfig:
     train_samples: Optional[int] = _f(
         None, "Samples to train (instead of --train-iters: iterations = samples / --global-batch-size).", bound=AT_LEAST_1
     )
-    # The lr and weight-decay schedule: megatron-core's OptimizerParamScheduler, in samples (training/lr_schedule.py).
+    # The lr and weight-decay schedule: megatron-core's OptimizerParamScheduler, in samples (lr_schedule.py).
     lr: float = _f(1e-4, "Peak learning rate.", bound=NON_NEGATIVE)
     min_lr: float = _f(0.0, "Floor of the decayed learning rate.", bound=NON_NEGATIVE)
     lr_decay_style: str = _f(
@@ -337,11 +348,43 @@ class DataConfig:
     data_cache_path: Optional[str] = _f(None, "Directory for cached sample indices.")
     tokenizer_type: str = _f(
         "NullTokenizer",
-        "Tokenizer.",
-        choices=["NullTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"],
+        "Tokenizer (docs/data.md#tokenizers).",
+        choices=[
+            "NullTokenizer",
+            "SentencePieceTokenizer",
+            "GPTSentencePieceTokenizer",
+            "Llama2Tokenizer",
+            "GPT2BPETokenizer",
+            "HuggingFaceTokenizer",
+            "TikTokenizer",
+            "Llama3Tokenizer",
+        ],
     )
-    tokenizer_model: Optional[str] = _f(None, "SentencePiece model file.")
+    tokenizer_model: Optional[str] = _f(
+        None,
+        "SentencePiece .model; Hugging Face directory (tokenizer.json); TikTokenizer JSON; Llama 3's tokenizer.model.",
+    )
     legacy_tokenizer: bool = _f(False, "Legacy Megatron tokenizers: NullTokenizer eod V (vocab V+1), Llama2Tokenizer BOS.")
+    vocab_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's vocab.json.")
+    merge_file: Optional[str] = _f(None, "GPT2BPETokenizer: GPT-2's merges.txt.")
+    tokenizer_special_tokens: Optional[list] = _f(
+        None, "Special tokens added to a GPT2BPE/HuggingFace tokenizer, or TikTokenizer's special token list.", nargs="+"
+    )
+    tiktoken_pattern: Optional[str] = _f(None, "TikTokenizer split pattern (default v2).", choices=["v1", "v2"])
+    tiktoken_num_special_tokens: int = _f(1000, "TikTokenizer: ids below this are special tokens.", bound=AT_LEAST_1)
+    tokenizer_hf_no_include_special_tokens: bool = _f(
+        False, "HuggingFaceTokenizer/Llama3Tokenizer: no BOS (the tokenizer's own special tokens) around each document."
+    )
+    tokenizer_hf_no_use_fast: bool = _f(
+        False, "HuggingFaceTokenizer: transformers' slow tokenizer; accepted where it gives the fast one's ids, else refused."
+    )
+    trust_remote_code: bool = _f(
+        False, "Accepted for a Hugging Face directory that needs no code; one that needs code is refused (tricorn runs none)."
+    )
+    null_tokenizer_eod_id: Optional[int] = _f(
+        None, "NullTokenizer end-of-document id (default: vocab size - 1).", bound=NON_NEGATIVE
+    )
+    null_tokenizer_pad_id: int = _f(-1, "NullTokenizer pad id, left out of the loss (-1: none).", bound=Bound(lo=-1))
     eval_interval: int = _f(1000, "Evaluate on the validation split every N iterations.", bound=AT_LEAST_1)
     eval_iters: int = _f(10, "Validation iterations per evaluation.", bound=NON_NEGATIVE)
     num_workers: int = _f(0, "Data loader worker processes.", bound=NON_NEGATIVE)
@@ -367,6 +410,11 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     tensorboard_dir: Optional[str] = _f(None, "TensorBoard event directory.")
+    # Weights & Biases (rank 0, the same scalars as TensorBoard; `pip install tricorn[wandb]`).
+    wandb_project: Optional[str] = _f(None, "Log to this Weights & Biases project as well (rank 0; needs the wandb package).")
+    wandb_exp_name: Optional[str] = _f(None, "The W&B run's name (default: wandb picks one).")
+    wandb_save_dir: Optional[str] = _f(None, "Local directory of the W&B run files (default: <--save>/wandb, else ./wandb).")
+    wandb_entity: Optional[str] = _f(None, "The W&B team or user the project belongs to (default: your default entity).")
     log_interval: int = _f(10, "Log every N iterations.", bound=AT_LEAST_1)
     log_dir: Optional[str] = _f(None, "Per-rank log files.")
     log_params_norm: bool = _f(False, "Log the parameter norm (costs an extra reduction).")
@@ -384,6 +432,40 @@ class LoggingConfig:
     )
 
 
+@dataclass
+class ProfilingConfig:
+    """Profiler windows, nsys ranges and the CUDA allocator's history (tricorn/profiling.py, docs/debugging.md)."""
+
+    profile: bool = _f(
+        False,
+        "Profile iterations --profile-step-start+1 .. --profile-step-end: NVTX ranges between cudaProfilerStart/Stop "
+        "(run under `nsys profile --capture-range=cudaProfilerApi`), or a torch-profiler trace with --use-pytorch-profiler.",
+    )
+    use_pytorch_profiler: bool = _f(
+        False, "With --profile: a torch.profiler trace per profiled rank in <--tensorboard-dir>/torch_profile."
+    )
+    profile_step_start: int = _f(
+        10, "Iterations completed before the profile window opens (Megatron's count).", bound=NON_NEGATIVE
+    )
+    profile_step_end: int = _f(12, "The last iteration profiled.", bound=AT_LEAST_1)
+    profile_ranks: Optional[list] = _f(
+        None, "Global ranks to profile (default: every rank).", nargs="+", type=int, bound=NON_NEGATIVE
+    )
+    record_shapes: bool = _f(False, "Record operator input shapes (torch profiler; emit_nvtx's shapes under nsys).")
+    pytorch_profiler_collect_shapes: bool = _f(False, "Megatron's name for --record-shapes in the torch profiler.")
+    pytorch_profiler_collect_callstack: bool = _f(False, "Record Python call stacks in the torch-profiler trace.")
+    profile_memory: bool = _f(False, "Record tensor allocations and frees in the torch-profiler trace.")
+    record_memory_history: bool = _f(
+        False,
+        "CUDA: record the caching allocator's history on the profiled ranks; dumped to --memory-snapshot-path at the "
+        "end of the profile window (else of training) and on out-of-memory.",
+    )
+    memory_snapshot_path: str = _f(
+        "snapshot.pickle",
+        "File of the allocator history (with several ranks: NAME.rankN.pickle per rank); open it at pytorch.org/memory_viz.",
+    )
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "parallel": ParallelConfig,
@@ -391,6 +473,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "profiling": ProfilingConfig,
 }
 
 
@@ -402,6 +485,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     device: Optional[str] = None
     model_preset: Optional[str] = None
     dry_run: bool = False
@@ -449,12 +533,24 @@ def default_bucket_elements(dp: int, chunk_params: int) -> int:
     return min(max(40_000_000, 1_000_000 * max(dp, 1)), max(MIN_BUCKET_ELEMENTS, -(-chunk_params // 8)))
 
 
-# The command line and YAML reading live in tricorn/config_args.py; re-exported here because every caller
-# imports them from tricorn.config. Imported last: config_args needs the dataclasses above.
-from tricorn.config_args import (  # noqa: E402, F401
-    build_parser,
-    config_from_args,
-    default_device,
-    dump_yaml,
-    field_errors,
-)
+def field_errors(cfg: Config) -> list[str]:
+    """Every field outside its range or type, one sentence each ("--lr must be at least 0, got -0.001").
+
+    The one range check of every value, from the flags, the YAML or code: run by config_from_args before
+    any derived value is computed, and again by validate() for configs built in code.
+    """
+    errors: list[str] = []
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            problem = value_error(f, getattr(obj, f.name))
+            if problem:
+                errors.append(f"{flag_of(f)} {problem}")
+    return errors
+
+
+def dump_yaml(cfg: Config) -> str:
+    import yaml
+
+    data = {k: v for k, v in cfg.to_dict().items() if k in SECTIONS or k in ("device", "model_preset")}
+    return yaml.safe_dump(data, sort_keys=False)

@@ -13,10 +13,11 @@ import functools
 import os
 from typing import Optional
 
-from tricorn.config import SECTIONS, Config, ConfigError, ModelConfig
-from tricorn.fields import field_kind, flag_of, value_error, yaml_type_error
+from tricorn.config import SECTIONS, Config, ConfigError, ModelConfig, field_errors
+from tricorn.fields import field_kind, flag_of, yaml_type_error
+from tricorn.flag_parser import tricorn_parser
 from tricorn.megatron_flags import PREFIX as MEGATRON
-from tricorn.megatron_flags import check_command_line, megatron_defaults, megatron_notice, run_context
+from tricorn.megatron_flags import add_megatron_options, check_command_line, megatron_defaults, megatron_notice, run_context
 from tricorn.presets import PRESETS
 
 
@@ -29,50 +30,11 @@ def _flag_names() -> dict[str, tuple[str, str]]:
     return out
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are a ConfigError (one `tricorn: error:` line from the entry point, not usage + exit)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise ConfigError(f"{message}; see --help")
-
-
 def build_parser(prog: str = "pretrain_gpt.py", megatron: bool = True) -> argparse.ArgumentParser:
-    """The command line, generated from the dataclasses (defaults are None so we can tell what was given); with
-    `megatron`, also every other flag of Megatron-LM's parser, hidden (tricorn/megatron_flags.py)."""
-    parser = _Parser(
-        prog=prog, description="tricorn: Megatron-style 3D-parallel GPT pretraining.", argument_default=argparse.SUPPRESS
-    )
-    parser.add_argument(
-        "--config", help="YAML file with sections model/parallel/training/data/checkpoint/logging; flags override it."
-    )
-    parser.add_argument("--model-preset", help=f"Published model shape: {', '.join(PRESETS)}.")
-    parser.add_argument("--device", choices=["cpu", "cuda"], help="Device (default: cuda when available).")
-    parser.add_argument("--dry-run", action="store_true", help="Print the memory estimate and exit without training.")
-    for section, cls in SECTIONS.items():
-        group = parser.add_argument_group(section)
-        for f in dataclasses.fields(cls):
-            flag = flag_of(f)
-            meta = dict(f.metadata)
-            helptext = meta.pop("help")
-            negate = meta.pop("negate", None)
-            names = [flag, *meta.pop("aliases", [])]  # Megatron's other spellings of the same flag
-            meta.pop("bound", None)
-            base, _ = field_kind(f)
-            if base == "bool":
-                if negate:
-                    group.add_argument(negate, dest=f.name, action="store_false", help=helptext + " (on by default)")
-                    group.add_argument(*names, dest=f.name, action="store_true", help=argparse.SUPPRESS)
-                else:
-                    group.add_argument(*names, dest=f.name, action="store_true", help=helptext)
-                continue
-            if "type" not in meta:
-                meta["type"] = {"int": int, "float": float}.get(base, str)
-            if "choices" in meta and meta["type"] is str:
-                meta["choices"] = [str(c) for c in meta["choices"]]
-            group.add_argument(*names, dest=f.name, help=helptext, **meta)
+    """The command line, generated from the dataclasses (tricorn/flag_parser.py); with `megatron`, also every
+    other flag of Megatron-LM's parser, hidden (tricorn/megatron_flags.py)."""
+    parser = tricorn_parser(prog)
     if megatron:
-        from tricorn.megatron_flags import add_megatron_options
-
         add_megatron_options(parser)
     return parser
 
@@ -133,22 +95,6 @@ def _apply_yaml(cfg: Config, path: str) -> set[str]:
     if errors:
         raise ConfigError("; also: ".join(errors))
     return given
-
-
-def field_errors(cfg: Config) -> list[str]:
-    """Every field outside its range or type, one sentence each ("--lr must be at least 0, got -0.001").
-
-    The one range check of every value, from the flags, the YAML or code: run by config_from_args before
-    any derived value is computed, and again by validate() for configs built in code.
-    """
-    errors: list[str] = []
-    for section in SECTIONS:
-        obj = getattr(cfg, section)
-        for f in dataclasses.fields(obj):
-            problem = value_error(f, getattr(obj, f.name))
-            if problem:
-                errors.append(f"{flag_of(f)} {problem}")
-    return errors
 
 
 def config_from_args(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> Config:
@@ -215,10 +161,3 @@ def _resolve_defaults(cfg: Config) -> None:
         t.train_iters = max(1, t.train_samples // t.global_batch_size)
     elif t.lr_decay_iters is None:
         t.lr_decay_iters = t.train_iters
-
-
-def dump_yaml(cfg: Config) -> str:
-    import yaml
-
-    data = {k: v for k, v in cfg.to_dict().items() if k in SECTIONS or k in ("device", "model_preset")}
-    return yaml.safe_dump(data, sort_keys=False)

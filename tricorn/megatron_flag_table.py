@@ -83,21 +83,17 @@ NO_OPS: dict[str, tuple[str, ...]] = {
     ),
     LOGGING: _names(
         """
-        profile profile_step_start profile_step_end use_pytorch_profiler pytorch_profiler_collect_shapes
-        pytorch_profiler_collect_callstack pytorch_profiler_collect_chakra profile_ranks
-        record_memory_history memory_snapshot_path record_shapes nvtx_ranges log_throughput log_progress
+        pytorch_profiler_collect_chakra nvtx_ranges log_throughput log_progress
         timing_log_option tensorboard_log_interval tensorboard_queue_size log_timers_to_tensorboard
         log_loss_scale_to_tensorboard log_validation_ppl_to_tensorboard log_memory_to_tensorboard
         log_memory_interval log_device_memory_used log_num_zeros_in_grad log_max_attention_logit
-        barrier_with_L1_time log_world_size_to_tensorboard wandb_project wandb_exp_name wandb_save_dir
-        wandb_entity logging_level log_energy moe_routing_trace_path moe_routing_trace_max_training_iters
+        barrier_with_L1_time log_world_size_to_tensorboard logging_level log_energy moe_routing_trace_path moe_routing_trace_max_training_iters
         moe_routing_trace_capture_logits moe_routing_trace_capture_hidden_states
         moe_routing_trace_dump_weights moe_per_layer_logging config_logger_dir log_straggler
         straggler_ctrlr_port straggler_minmax_count disable_straggler_on_startup
         run_workload_inspector_server enable_one_logger one_logger_project one_logger_run_name
         one_logger_async app_tag_run_name app_tag_run_version check_weight_hash_across_dp_replicas_interval
-        gpu_sniff_test_interval train_sync_interval dump_param_to_param_group_map flight_recorder_dump_path
-        flight_recorder_trace_buffer_size flight_recorder_dump_on_timeout
+        gpu_sniff_test_interval train_sync_interval dump_param_to_param_group_map flight_recorder_dump_on_timeout
         flight_recorder_include_stack_trace flight_recorder_include_only_active
         flight_recorder_extra_dump_on_exec check_for_large_grads result_rejected_tracker_filename
         """
@@ -324,10 +320,8 @@ REFUSED: dict[str, tuple[str, ...]] = {
     ),
     TOKENIZER: _names(
         """
-        vocab_file merge_file vocab_extra_ids metadata_path special_tokens tiktoken_pattern
-        tiktoken_num_special_tokens tokenizer_sentencepiece_legacy
-        tokenizer_sentencepiece_ignore_extra_whitespaces tokenizer_hf_no_use_fast
-        tokenizer_hf_no_include_special_tokens trust_remote_code null_tokenizer_eod_id null_tokenizer_pad_id
+        vocab_extra_ids metadata_path tokenizer_sentencepiece_legacy
+        tokenizer_sentencepiece_ignore_extra_whitespaces
         """
     ),
     CKPT: _names(

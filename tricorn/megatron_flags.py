@@ -4,7 +4,7 @@ tricorn/megatron_args.json is Megatron-LM's parser at core_v0.19.0, dumped by
 scripts/make_megatron_args_fixture.py (each option's flags, dest, action, nargs, type, default, choices).
 Each option is
 
-- **implemented** when tricorn's own parser (tricorn/config_args.py) defines one of its flags: derived, so a
+- **implemented** when tricorn's own parser (tricorn/flag_parser.py) defines one of its flags: derived, so a
   flag another change adds is implemented with no edit here;
 - a **no-op** (tricorn/megatron_flag_table.py NO_OPS): it changes how Megatron runs or logs, not what tricorn
   computes. The no-ops a command line gives are listed in one start-up line (`megatron_notice`);
@@ -85,9 +85,9 @@ def _by_reason() -> tuple[dict[str, str], dict[str, str]]:
 
 @functools.lru_cache(maxsize=1)
 def tricorn_flags() -> frozenset[str]:
-    from tricorn.config import build_parser
+    from tricorn.flag_parser import tricorn_parser
 
-    return frozenset(f for a in build_parser(megatron=False)._actions for f in a.option_strings)
+    return frozenset(f for a in tricorn_parser()._actions for f in a.option_strings)
 
 
 def status(option: Option) -> str:
@@ -231,9 +231,9 @@ def not_reproduced(args: dict) -> list[str]:
     `--flag=value` (docs/megatron-flags.md says why): refused options that change the math (megatron_flag_table.MATH) away from their fine
     value, and implemented ones whose value tricorn's parser would not take. `megatron.yaml`'s first line lists
     them (import-megatron)."""
-    from tricorn.config import build_parser
+    from tricorn.flag_parser import tricorn_parser
 
-    choices = {a.dest: a.choices for a in build_parser()._actions if a.choices}
+    choices = {a.dest: a.choices for a in tricorn_parser()._actions if a.choices}
     out: list[str] = []
     seen: set[str] = set()
     for o in megatron_options():

@@ -18,7 +18,8 @@ import os
 import sys
 from typing import Optional
 
-from tricorn.config import ConfigError, ModelConfig, config_from_args
+from tricorn.config import ConfigError, ModelConfig
+from tricorn.config_args import config_from_args
 from tricorn.planning import sbatch
 from tricorn.planning.hardware import GiB, get_gpu
 from tricorn.planning.layout import Layout

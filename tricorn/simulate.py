@@ -43,7 +43,8 @@ from typing import Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tricorn.config import Config, ConfigError, build_parser
+from tricorn.config import Config, ConfigError
+from tricorn.config_args import build_parser
 from tricorn.data.base import Batch
 from tricorn.planning.hardware import GiB
 from tricorn.planning.layout import Layout

@@ -15,6 +15,7 @@ from typing import Optional
 
 from tricorn.config import Config, field_errors
 from tricorn.data.skip_samples import skip_samples_errors
+from tricorn.lr_schedule import schedule_errors
 from tricorn.parallel.batch_schedule import validate_rampup
 from tricorn.parallel.compile import validate_compile
 from tricorn.parallel.fp8 import validate_fp8
@@ -24,7 +25,32 @@ from tricorn.parallel.pipeline.stages import validate_pipeline
 from tricorn.parallel.precision import validate_precision
 from tricorn.parallel.recompute import validate_recompute
 from tricorn.parallel.te import validate_te
-from tricorn.training.lr_schedule import schedule_errors
+from tricorn.profiling import snapshot_path, validate_profiling
+
+# What each tokenizer type reads, for the one-line error when it is missing.
+_TOKENIZER_INPUT = {
+    "HuggingFaceTokenizer": "--tokenizer-model DIR (a Hugging Face directory with tokenizer.json)",
+    "TikTokenizer": "--tokenizer-model FILE.json (a TikTokenizer vocabulary such as Tekken's)",
+    "Llama3Tokenizer": "--tokenizer-model tokenizer.model (Llama 3's original tiktoken file)",
+}
+
+
+def tokenizer_flag_errors(d) -> list[str]:
+    """The tokenizer type has the files it reads (the files themselves are checked when the tokenizer is built)."""
+    if d.tokenizer_type == "NullTokenizer":
+        return []
+    if d.tokenizer_type == "GPT2BPETokenizer":
+        missing = [f for f, v in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file)) if not v]
+        return (
+            [f"--tokenizer-type GPT2BPETokenizer needs {' and '.join(missing)} (GPT-2's vocab.json, merges.txt)"]
+            if missing
+            else []
+        )
+    if not d.tokenizer_model:
+        return [
+            f"--tokenizer-type {d.tokenizer_type} needs {_TOKENIZER_INPUT.get(d.tokenizer_type, '--tokenizer-model FILE.model')}"
+        ]
+    return []
 
 
 def validate(cfg: Config) -> list[str]:
@@ -100,8 +126,8 @@ def validate(cfg: Config) -> list[str]:
         errs.append("no training data: pass --data-path PREFIX (see `tricorn preprocess`) or --mock-data")
     if d.mock_data and m.vocab_size is None:
         errs.append("--mock-data needs --vocab-size")
-    if d.tokenizer_type != "NullTokenizer" and not d.tokenizer_model and not d.mock_data:
-        errs.append(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model FILE.model")
+    if not d.mock_data:
+        errs += tokenizer_flag_errors(d)
     if p.hang_timeout_minutes is not None and p.hang_timeout_minutes > p.distributed_timeout_minutes:
         errs.append(
             f"--hang-timeout-minutes {p.hang_timeout_minutes:g} exceeds --distributed-timeout-minutes "
@@ -125,6 +151,7 @@ def validate(cfg: Config) -> list[str]:
             + validate_compile(cfg)
             + validate_fp8(cfg)
             + skip_samples_errors(d.skip_samples, t.train_iters * t.global_batch_size if t.global_batch_size else 0)
+            + validate_profiling(cfg)
         )
     return errs
 
@@ -174,17 +201,21 @@ def validate_moe(cfg: Config) -> list[str]:
 def output_path_errors(cfg: Config) -> list[str]:
     """Every output path that training would fail to create or write, found before anything is created.
 
-    Directories (--save, --tensorboard-dir, --log-dir, --data-cache-path) must be directories or creatable
-    ones; --metrics-file must be a file or creatable; --load, when it exists, must be a directory. A
+    Directories (--save, --tensorboard-dir, --log-dir, --data-cache-path, --flight-recorder-dump-path,
+    --wandb-save-dir) must be directories or creatable ones; --metrics-file and, with --record-memory-history,
+    --memory-snapshot-path (rank 0's name) must be files or creatable; --load, when it exists, must be a directory. A
     probe file is created and removed in the nearest existing directory, so permissions, read-only
     mounts and pseudo file systems (/proc) are all caught the same way; nothing else is written.
     """
     c, lg = cfg.checkpoint, cfg.logging
     dirs = [("--save", c.save), ("--tensorboard-dir", lg.tensorboard_dir), ("--log-dir", lg.log_dir)]
     dirs.append(("--data-cache-path", cfg.data.data_cache_path))
+    dirs += [("--flight-recorder-dump-path", cfg.parallel.flight_recorder_dump_path), ("--wandb-save-dir", lg.wandb_save_dir)]
     errs = [e for flag, path in dirs if path for e in [_writable_error(flag, path, want_dir=True)] if e]
-    if lg.metrics_file:
-        errs += [e for e in [_writable_error("--metrics-file", lg.metrics_file, want_dir=False)] if e]
+    files = [("--metrics-file", lg.metrics_file)]
+    if cfg.profiling.record_memory_history:  # the snapshot is written on out-of-memory too: its place must work now
+        files.append(("--memory-snapshot-path", snapshot_path(cfg.profiling.memory_snapshot_path, 0, cfg.world_size)))
+    errs += [e for flag, path in files if path for e in [_writable_error(flag, path, want_dir=False)] if e]
     if c.load and os.path.exists(c.load) and not os.path.isdir(c.load):
         errs.append(f"--load {c.load} is a file; it needs the checkpoint directory (the one --save wrote)")
     return errs

@@ -23,7 +23,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.data.base import Batch
 from tricorn.model.transformer import GPTModel
 from tricorn.parallel.grads import reduce_tied_embedding_grads

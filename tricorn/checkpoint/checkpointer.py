@@ -73,6 +73,7 @@ from tricorn.checkpoint.staging import HostStaging, Staged
 from tricorn.config import Config, dump_yaml
 from tricorn.model.init import INIT_KEY_ATTR, is_expert, is_tp_split
 from tricorn.parallel.state import ParallelState
+from tricorn.profiling import span_of
 
 
 def _named_params(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
@@ -108,6 +109,7 @@ class Checkpointer:
         self.staging = HostStaging()  # --async-save: pinned host buffers and a side stream on CUDA
         self.last_saved: Optional[int] = None
         self.loaded_iteration = 0
+        self.loaded_meta: dict[str, Any] = {}  # meta.json of the checkpoint --load resumed from
         self.stall_seconds: list[float] = []  # training time each save took (bench/checkpoint.py)
 
     # ------------------------------------------------------------ what is saved
@@ -153,10 +155,12 @@ class Checkpointer:
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
             "optimizer_dtypes": state_dtypes(opt),
             "lr": trainer.current_lr(),
-            # Megatron's OptimizerParamScheduler state (its keys; training/lr_schedule.py), exact at a save
+            # Megatron's OptimizerParamScheduler state (its keys; lr_schedule.py), exact at a save
             io.SCHEDULER_STATE: trainer.lr_schedule.exact().state_dict(),
             "layout": self.layout(),
             "saved_at": time.time(),
+            # --wandb-project: the W&B run this training logs to (rank 0's, who writes this file); a resume continues it
+            **({"wandb_run_id": run_id} if (run_id := getattr(trainer.logger, "wandb_run_id", None)) else {}),
         }
 
     def _writes(self, p: nn.Parameter, sharded: bool) -> bool:
@@ -196,6 +200,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------ saving
 
+    @span_of("checkpoint save")
     def save(self, trainer) -> None:
         """Checkpoint the state after `trainer.iteration`; returns once it is written, or staged with --async-save."""
         assert self.root is not None, "save() needs --save"
@@ -320,6 +325,7 @@ class Checkpointer:
             return 0
         self._loaded_path = path
         meta, md = io.verify_checkpoint(path, self.cfg.model)
+        self.loaded_meta = meta
         self._verify_checksums(path, md)
         # A weights-only checkpoint (`tricorn import-hf`) has no optimizer state, data position or RNG states:
         # like Megatron's converted "release" checkpoints it always starts training at iteration 0.

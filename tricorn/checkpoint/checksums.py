@@ -3,20 +3,18 @@
 XXH3 hashes at ~13 GB/s on one core here (zlib's CRC-32: ~1-2 GB/s), so hashing as the bytes are written
 costs a few percent of a save that writes at disk speed.
 
-`HashingFileSystem` is DCP's local file system with every written file hashed as its bytes go by,
-on the thread that writes them (the save's background thread with --async-save), so nothing is read
+`HashingStream` is the file DCP writes a shard through (dcp_files.HashingFileSystem), every byte hashed as
+it goes by, on the thread that writes them (the save's background thread with --async-save), so nothing is read
 back. `file_checksum` reads a file back (small files, and verification at load). No collectives, no
 extra memory.
 """
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
 import xxhash
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 ALGORITHM = "xxh3_64"
 _HASH_BLOCK = 16 << 20  # bytes per read when reading a file back: large reads, bounded memory
@@ -38,7 +36,7 @@ def file_checksums(root: Path, names: list[str]) -> dict[str, dict]:
     return {name: file_checksum(root / name) for name in names}
 
 
-class _HashingStream:
+class HashingStream:
     """The file a shard is written through: every byte is also hashed as it goes by.
 
     Inline on the writer's thread: no re-read of the file, no copy. A second hashing thread would overlap
@@ -60,27 +58,3 @@ class _HashingStream:
 
     def __getattr__(self, name: str) -> Any:  # tell, flush, fileno (fsync), ...
         return getattr(self.raw, name)
-
-
-class HashingFileSystem(FileSystem):
-    """DCP's local file system, with a checksum of every file it writes (file name -> size and digest)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.checksums: dict[str, dict] = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path: Any, mode: str):
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with super().create_stream(path, mode) as raw:
-            stream = _HashingStream(raw)
-            yield stream
-        self.checksums[Path(path).name] = stream.checksum()
-
-    def rename(self, path: Any, new_path: Any) -> None:  # DCP writes .metadata.tmp, then renames it
-        super().rename(path, new_path)
-        if Path(path).name in self.checksums:
-            self.checksums[Path(new_path).name] = self.checksums.pop(Path(path).name)

@@ -27,22 +27,20 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import io
+import functools
 import json
 import os
 import pickle
 import re
 import shutil
-import signal
 import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from tricorn.checkpoint.checksums import ALGORITHM, HashingFileSystem, file_checksum
+from tricorn.checkpoint.checksums import ALGORITHM, file_checksum
+from tricorn.checkpoint.errors import CheckpointError  # noqa: F401 - re-exported: callers import it from here
 from tricorn.config import ModelConfig
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -56,13 +54,19 @@ _ITER_RE = re.compile(r"^iter_([0-9]{7,18})$")
 _DIGITS_RE = re.compile(r"[0-9]{1,18}")  # an iteration number that fits int64
 _TMP_MARK = ".tmp-"
 
-# Test hook: "ITER:RANK" kills that rank with SIGKILL right after it wrote its shard file of
-# iteration ITER's save, before the checkpoint is complete. Tests use it; nothing else may.
-KILL_DURING_SAVE = "TRICORN_TEST_KILL_DURING_SAVE"
+
+_DCP_CLASSES = ("SafeReader", "SafeLoadPlanner", "Writer", "HashingFileSystem")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message is one line naming the file."""
+def __getattr__(name: str) -> Any:
+    """DCP's reader, planner and writer subclasses (dcp_files.py), imported on first use: DCP takes a second of
+    every process's start-up, and a run without checkpoints never needs it (bench/startup.py)."""
+    if name in _DCP_CLASSES:
+        from tricorn.checkpoint import dcp_files
+
+        globals()[name] = value = getattr(dcp_files, name)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def iter_name(iteration: int) -> str:
@@ -90,6 +94,7 @@ def fsync_dir(path: Path) -> None:
 # ---------------------------------------------------------------- safe reading
 
 
+@functools.lru_cache(maxsize=1)
 def _allowed_globals() -> dict[tuple[str, str], Any]:
     import pathlib
 
@@ -122,11 +127,10 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
 class _SafeUnpickler(pickle.Unpickler):
     """DCP's metadata classes, torch dtypes and paths; anything else is refused (no code runs)."""
 
-    allowed = _allowed_globals()
-
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self.allowed:
-            return self.allowed[(module, name)]
+        allowed = _allowed_globals()
+        if (module, name) in allowed:
+            return allowed[(module, name)]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
@@ -157,39 +161,6 @@ def read_dcp_metadata(ckpt: Path):
 def _inside(rel: Any) -> bool:
     """A shard file name as DCP writes it: a plain name in the checkpoint directory (no '..', no '/', not absolute)."""
     return isinstance(rel, str) and rel not in ("", ".", "..") and os.path.basename(rel) == rel and "\\" not in rel
-
-
-class SafeReader(FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        md = read_dcp_metadata(Path(self.path))
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        md.storage_meta = md.storage_meta or StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        raise CheckpointError(f"checkpoint holds a pickled object under {read_item.dest_index.fqn!r}; tricorn never loads those")
-
-
-class Writer(FileSystemWriter):
-    """DCP's file writer (one file per rank, fsync'ed), the checksums of what it wrote, and the kill-during-save test hook."""
-
-    def __init__(self, path: Path, iteration: int, rank: int):
-        super().__init__(str(path), single_file_per_rank=True, sync_files=True, overwrite=True)
-        self.iteration, self.rank = iteration, rank
-        self.fs = HashingFileSystem()
-        self.checksums = self.fs.checksums  # the files this rank wrote -> size and XXH3-64 digest
-
-    def write_data(self, plan, planner):
-        fut = super().write_data(plan, planner)
-        hook = os.environ.get(KILL_DURING_SAVE, "")
-        if hook and hook == f"{self.iteration}:{self.rank}":
-            fut.wait()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return fut
 
 
 # ---------------------------------------------------------------- checksums
@@ -324,6 +295,21 @@ def check_config(ckpt: Path, model: ModelConfig) -> None:
         raise CheckpointError(f"{path} describes a different model: {'; '.join(diff)}; use the model flags it was saved with")
 
 
+def checkpoint_vocab_size(load: str, ckpt_step: Optional[int]) -> Optional[tuple[Path, int]]:
+    """(checkpoint directory, the vocabulary size its config.yaml records) of what --load would load, or None."""
+    import yaml
+
+    path, _ = find_checkpoint(Path(load), ckpt_step)
+    if path is None or not (path / CONFIG_FILE).is_file():
+        return None
+    try:
+        saved = (yaml.safe_load(_read_text(path / CONFIG_FILE)) or {}).get("model", {})
+    except (yaml.YAMLError, AttributeError) as e:
+        raise unreadable(path / CONFIG_FILE, e) from None
+    vocab = saved.get("vocab_size") if isinstance(saved, dict) else None
+    return (path, vocab) if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
 def unreadable(path: Path, e: Exception) -> CheckpointError:
     """The one line for a checkpoint file that cannot be parsed: what is wrong with it, and what to do."""
     why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else str(e)
@@ -353,7 +339,7 @@ META_SCHEMA: dict[str, tuple[tuple[type, ...], Optional[float]]] = {
     "loss_scaler": ((dict, type(None)), None),
     "layout": ((dict,), None),
 }
-# meta.json's lr scheduler state: Megatron's OptimizerParamScheduler.state_dict() (training/lr_schedule.py).
+# meta.json's lr scheduler state: Megatron's OptimizerParamScheduler.state_dict() (lr_schedule.py).
 # Checkpoints written before tricorn's schedule was Megatron's have none (their lr was a function of the iteration).
 SCHEDULER_STATE = "opt_param_scheduler"
 # Keys only some runs write (--skip-samples, --check-for-spiky-loss), or older checkpoints lack: checked when present.
@@ -456,7 +442,7 @@ def load_errors(cfg: Any) -> list[str]:
 
 def _check_schedule(path: Path, meta: dict, cfg: Any) -> None:
     """The flags' lr schedule against the checkpoint's, as the load will take it (Megatron's rules, before launch)."""
-    from tricorn.training.lr_schedule import schedule_from_config
+    from tricorn.lr_schedule import schedule_from_config
 
     c, t = cfg.checkpoint, cfg.training
     state = meta.get(SCHEDULER_STATE)
@@ -514,11 +500,17 @@ def dcp_load(targets: dict[str, torch.Tensor], ckpt: Path, group=None, no_dist: 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from tricorn.checkpoint.dcp_files import SafeLoadPlanner, SafeReader
+
     try:
         with warnings.catch_warnings():  # no_dist: "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(
-                targets, storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner(), process_group=group, no_dist=no_dist
+                targets,
+                storage_reader=SafeReader(str(ckpt), read_dcp_metadata),
+                planner=SafeLoadPlanner(),
+                process_group=group,
+                no_dist=no_dist,
             )
     except CheckpointException as e:  # a BaseException holding (exception, traceback) per failed rank
         rank, (exc, _) = next(iter(e.failures.items()))

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from tricorn.config import ModelConfig
 from tricorn.data.base import GlobalBatchLoader, MockSamples, SampleSource
 from tricorn.data.blended import SURPLUS, BlendedDataset, blend_sizes
 from tricorn.data.cache import description_key, load_or_build
@@ -35,7 +36,15 @@ from tricorn.data.errors import DataError
 from tricorn.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_ranges
 from tricorn.data.indexed import IndexedDataset
 from tricorn.data.skip_samples import read_skip_samples
-from tricorn.data.tokenizer import build_tokenizer, loss_pad_id
+from tricorn.data.tokenizer import (
+    VOCAB_FROM_FLAG,
+    Tokenizer,
+    TokenizerOptions,
+    build_tokenizer,
+    build_tokenizer_with,
+    check_vocab_size,
+    loss_pad_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -189,31 +198,62 @@ def build_loaders(
 def prepare_vocab(cfg: Any) -> list[str]:
     """Resolve cfg.model.vocab_size from the tokenizer and check the data files; returns one line per problem.
 
-    No --vocab-size: the tokenizer's. A --vocab-size (or preset) at least the
-    tokenizer's: kept. A smaller one is refused when the padded vocabulary
-    cannot hold every tokenizer id. Then every data prefix is opened (header,
-    sizes) and its first tokens are checked against the padded vocabulary.
+    No --vocab-size: the tokenizer's (or, with --load, the checkpoint's when it pads the tokenizer's the same
+    way). A --vocab-size (or preset) at least the tokenizer's: kept; a smaller one is refused (its ids past
+    it would have no embedding row that a checkpoint keeps). A --load checkpoint whose vocabulary is not the
+    tokenizer's, as Megatron pads it, is refused. Then every data prefix is opened (header, sizes) and its
+    token ids are checked against the vocabulary.
     """
     d, m = cfg.data, cfg.model
     if d.mock_data:
         return []
     try:
-        tokenizer = build_tokenizer(cfg)
+        options = TokenizerOptions.from_config(cfg)
+        tokenizer = build_tokenizer_with(options)
+        check_vocab_size(tokenizer, options)
     except DataError as e:
         return [str(e)]
-    tp = cfg.parallel.tensor_model_parallel_size
-    if m.vocab_size is None:
+    explicit = m.vocab_size is not None
+    if not explicit:
         m.vocab_size = tokenizer.vocab_size
-    elif m.vocab_size < tokenizer.vocab_size and m.padded_vocab_size(tp) < tokenizer.vocab_size:
-        source = d.tokenizer_model or tokenizer.name
-        return [
-            f"tokenizer {source} has {tokenizer.vocab_size} tokens but the model's padded vocabulary is {m.padded_vocab_size(tp)} "
-            f"(--vocab-size {m.vocab_size}); raise --vocab-size to at least {tokenizer.vocab_size} or leave it out to use the tokenizer's"
-        ]
-    return check_data_files(cfg, m.padded_vocab_size(tp))
+    problem = _checkpoint_vocab(cfg, tokenizer, options.source(), explicit)
+    if problem:
+        return [problem]
+    return check_data_files(cfg, m.vocab_size)
 
 
-def check_data_files(cfg: Any, padded_vocab: int) -> list[str]:
+def _checkpoint_vocab(cfg: Any, tokenizer: Tokenizer, source: str, explicit: bool) -> str:
+    """'' when the --load checkpoint (if any) holds the tokenizer's vocabulary, padded as Megatron pads it, else why not.
+
+    Without --vocab-size the run takes the checkpoint's size then (a Megatron checkpoint stores padded rows).
+    A checkpoint that cannot be read is left to the load checks before launch.
+    """
+    from tricorn.checkpoint.io import CheckpointError, checkpoint_vocab_size
+
+    m = cfg.model
+    if not cfg.checkpoint.load:
+        return ""
+    try:
+        found = checkpoint_vocab_size(cfg.checkpoint.load, cfg.checkpoint.ckpt_step)
+    except CheckpointError:
+        return ""
+    if found is None:
+        return ""
+    ckpt, saved = found
+    padded = ModelConfig(vocab_size=tokenizer.vocab_size, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+    if saved < tokenizer.vocab_size or padded.padded_vocab_size(cfg.parallel.tensor_model_parallel_size) < saved:
+        return (
+            f"checkpoint {ckpt} has a vocabulary of {saved} but tokenizer {source} has {tokenizer.vocab_size} tokens "
+            f"(padded {padded.padded_vocab_size(cfg.parallel.tensor_model_parallel_size)}): they do not belong together; "
+            f"pass the tokenizer the checkpoint was trained with"
+        )
+    if not explicit and cfg.data.tokenizer_type not in VOCAB_FROM_FLAG:  # for those, --vocab-size is the tokenizer's
+        m.vocab_size = saved
+    return ""
+
+
+def check_data_files(cfg: Any, vocab: int) -> list[str]:
+    """Every data prefix opens, leaves training documents, and holds only ids below `vocab` (the model's real rows)."""
     errs: list[str] = []
     try:
         specs = _split_specs(cfg)
@@ -239,10 +279,10 @@ def check_data_files(cfg: Any, padded_vocab: int) -> list[str]:
                     f"--split {train_spec[1]} leaves no training documents of the {len(indexed)} in {prefix}; give train a larger share"
                 )
         low, top = token_range(indexed, cfg.data.data_cache_path, write=False)
-        if top >= padded_vocab or low < 0:
+        if top >= vocab or low < 0:
             errs.append(
-                f"{prefix}.bin holds token id {top if top >= padded_vocab else low} outside the model's vocabulary "
-                f"[0, {padded_vocab}); was it preprocessed with another tokenizer than {cfg.data.tokenizer_model or cfg.data.tokenizer_type}?"
+                f"{prefix}.bin holds token id {top if top >= vocab else low} outside the model's vocabulary "
+                f"[0, {vocab}); was it preprocessed with another tokenizer than {cfg.data.tokenizer_model or cfg.data.tokenizer_type}?"
             )
     return errs
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import array
+import contextlib
+import dataclasses
 import gzip
 import json
 import multiprocessing as mp
@@ -36,12 +38,14 @@ from typing import Optional
 
 import numpy as np
 
+from tricorn.config import DataConfig
 from tricorn.data.errors import DataError
 from tricorn.data.indexed import IndexedDatasetBuilder, best_token_dtype, data_file_path, index_file_path
-from tricorn.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer_from
+from tricorn.data.tokenizer import TOKENIZER_TYPES, Tokenizer, TokenizerOptions, build_tokenizer_with, check_vocab_size
+from tricorn.flag_parser import add_field_flag
 
 CHUNK_LINES = 256
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 1 << 18  # 256 KB: a few MB of input already keeps --workers busy
 FIRST_REPORTED = 5
 EMPTY = "empty document"
 
@@ -109,16 +113,14 @@ _settings: dict = {}
 
 
 def _init_worker(
-    tokenizer_type: str,
-    tokenizer_model: Optional[str],
-    vocab_size: Optional[int],
-    keys: list[str],
-    append_eod: bool,
-    legacy: bool = False,
-    drop_blank: bool = False,
+    options: TokenizerOptions, keys: list[str], append_eod: bool, drop_blank: bool = False, threads: Optional[int] = None
 ) -> None:
     global _tokenizer, _settings
-    _tokenizer = build_tokenizer_from(tokenizer_type, tokenizer_model, vocab_size, legacy)
+    if threads == 1:  # a spawned worker is one CPU of --workers: no thread pool inside the tokenizer library
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _tokenizer = build_tokenizer_with(options)
+    if append_eod and _tokenizer.eod < 0:
+        raise DataError(f"--append-eod: tokenizer {options.source()} has no end-of-document (eos) token; drop --append-eod")
     typecode = "H" if best_token_dtype(_tokenizer.vocab_size) == np.uint16 else "i"
     _settings = dict(keys=keys, append_eod=append_eod, typecode=typecode, drop_blank=drop_blank)
 
@@ -141,35 +143,55 @@ def _document_texts(raw: bytes, keys: list[str]) -> tuple[Optional[list[str]], s
     return texts, "", ""
 
 
+def _encode_texts(texts: list[str]) -> list:
+    """Each text's ids, in one batch call where the tokenizer has a batch encoder; a text that fails gives its error."""
+    assert _tokenizer is not None, "_init_worker was not called"
+    try:
+        return list(_tokenizer.encode_batch(texts))
+    except Exception:  # noqa: BLE001 - each library raises its own errors (tokenizers: a bare Exception)
+        pass
+    out: list = []
+    for text in texts:  # find the failing texts one by one
+        try:
+            out.append(_tokenizer.encode(text))
+        except Exception as e:  # noqa: BLE001
+            out.append(e)
+    return out
+
+
 def encode_chunk(chunk: Chunk) -> ChunkResult:
     assert _tokenizer is not None, "_init_worker was not called"
     keys, append_eod, typecode = _settings["keys"], _settings["append_eod"], _settings["typecode"]
-    encode, eod = _tokenizer.encode, _tokenizer.eod
+    eod = _tokenizer.eod
     tokens = {k: array.array(typecode) for k in keys}
     lengths = {k: array.array("q") for k in keys}
     issues: list[tuple[int, str, str]] = []
-    documents = 0
+    parsed: list[tuple[int, list[str]]] = []
     for line_no, raw in enumerate(chunk.lines, chunk.first_line):
         if not raw.strip():
             continue  # blank lines (a trailing newline) are not documents
         texts, kind, detail = _document_texts(raw, keys)
         if texts is None:
             issues.append((line_no, kind, detail))
-            continue
-        if _settings["drop_blank"] and any(not t.strip() for t in texts):
+        elif _settings["drop_blank"] and any(not t.strip() for t in texts):
             issues.append((line_no, EMPTY, ""))
+        else:
+            parsed.append((line_no, texts))
+    encoded = [_encode_texts([texts[k] for _, texts in parsed]) for k in range(len(keys))]
+    documents = 0
+    for j, (line_no, _) in enumerate(parsed):
+        failed = next((per_key[j] for per_key in encoded if isinstance(per_key[j], Exception)), None)
+        if failed is not None:
+            issues.append((line_no, "cannot tokenize", str(failed).splitlines()[0] if str(failed) else type(failed).__name__))
             continue
-        try:
-            encoded = [encode(t) for t in texts]
-        except (ValueError, TypeError, RuntimeError) as e:
-            issues.append((line_no, "cannot tokenize", str(e).splitlines()[0] if str(e) else type(e).__name__))
-            continue
-        for key, ids in zip(keys, encoded):
-            if append_eod and ids:  # Megatron ends only a non-empty document with eod
-                ids.append(eod)
+        for key, per_key in zip(keys, encoded):
+            ids = per_key[j]
             tokens[key].extend(ids)
-            lengths[key].append(len(ids))
+            if append_eod and ids:  # Megatron ends only a non-empty document with eod
+                tokens[key].append(eod)
+            lengths[key].append(len(ids) + (1 if append_eod and ids else 0))
         documents += 1
+    issues.sort(key=lambda issue: issue[0])
     return ChunkResult(
         chunk.file_index,
         {k: v.tobytes() for k, v in tokens.items()},
@@ -203,13 +225,28 @@ def read_chunks(paths: Sequence[str]) -> Iterator[Chunk]:
             yield Chunk(file_index, first, lines)
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """--workers 1 is one CPU: the tokenizers library's batch encoder runs without its thread pool meanwhile."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
 def _ordered_results(chunks: Iterator[Chunk], workers: int, init_args: tuple) -> Iterator[ChunkResult]:
     if workers <= 1:
-        _init_worker(*init_args)
-        yield from map(encode_chunk, chunks)
+        with _one_thread():
+            _init_worker(*init_args)
+            yield from map(encode_chunk, chunks)
         return
-    # spawn: no fork of a process holding open output files; workers import only numpy + sentencepiece.
-    with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+    # spawn: no fork of a process holding open output files; workers import numpy and their tokenizer library only.
+    with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=init_args + (1,)) as pool:
         pending: deque = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(encode_chunk, (chunk,)))
@@ -237,13 +274,21 @@ def preprocess(
     progress=sys.stderr,
     legacy_tokenizer: bool = False,
     drop_blank_documents: bool = False,
+    **tokenizer_flags,
 ) -> Report:
-    """Tokenize `inputs` into one .bin/.idx pair per key; raises DataError on unusable input (or any bad line with strict)."""
+    """Tokenize `inputs` into one .bin/.idx pair per key; raises DataError on unusable input (or any bad line with strict).
+
+    tokenizer_flags: the other TokenizerOptions fields (vocab_file, merge_file, special_tokens, ...).
+    """
     for path in inputs:
         if not os.path.isfile(path):
             raise DataError(f"--input {path} does not exist")
     keys = list(json_keys)
-    tokenizer = build_tokenizer_from(tokenizer_type, tokenizer_model, vocab_size, legacy_tokenizer)  # fail here, not in a worker
+    options = TokenizerOptions(tokenizer_type, tokenizer_model, vocab_size, legacy_tokenizer, **tokenizer_flags)
+    tokenizer = build_tokenizer_with(options)  # fail here, not in a worker
+    check_vocab_size(tokenizer, options)
+    if append_eod and tokenizer.eod < 0:
+        raise DataError(f"--append-eod: tokenizer {options.source()} has no end-of-document (eos) token; drop --append-eod")
     dtype = best_token_dtype(tokenizer.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     report = Report(outputs=[output_prefix_for(output_prefix, k) for k in keys])
@@ -251,7 +296,7 @@ def preprocess(
     start = time.time()
     next_log = log_interval
     try:
-        init_args = (tokenizer_type, tokenizer_model, vocab_size, keys, append_eod, legacy_tokenizer, drop_blank_documents)
+        init_args = (options, keys, append_eod, drop_blank_documents)
         for result in _ordered_results(read_chunks(inputs), workers, init_args):
             _record_issues(report, result, inputs[result.file_index], strict)
             for key in keys:
@@ -315,9 +360,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True, help="one or more .jsonl or .jsonl.gz files")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize; each gets its own output")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.bin/.idx")
-    p.add_argument("--tokenizer-type", required=True, choices=sorted(TOKENIZER_TYPES))
-    p.add_argument("--tokenizer-model", default=None, help="sentencepiece .model file")
-    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary of the NullTokenizer (text is token ids)")
+    p.add_argument("--tokenizer-type", required=True, choices=list(TOKENIZER_TYPES))
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="NullTokenizer's and TikTokenizer's vocabulary; for the other types at least the tokenizer's (no effect on the data)",
+    )
+    data_fields = {f.name: f for f in dataclasses.fields(DataConfig)}
+    for name in TOKENIZER_FIELDS:
+        add_field_flag(p, data_fields[name], default=data_fields[name].default)
     p.add_argument("--append-eod", action="store_true", help="end every document with the tokenizer's eod id")
     p.add_argument(
         "--legacy-tokenizer",
@@ -330,6 +382,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-interval", type=int, default=10000, help="print progress every N documents (0: never)")
     p.add_argument("--dataset-impl", choices=["mmap"], default="mmap", help="accepted for Megatron scripts; always mmap")
     return p
+
+
+# DataConfig's tokenizer fields, which `tricorn preprocess` takes with the same flags as pretrain_gpt.py.
+TOKENIZER_FIELDS = (
+    "tokenizer_model",
+    "vocab_file",
+    "merge_file",
+    "tokenizer_special_tokens",
+    "tiktoken_pattern",
+    "tiktoken_num_special_tokens",
+    "tokenizer_hf_no_include_special_tokens",
+    "tokenizer_hf_no_use_fast",
+    "trust_remote_code",
+    "null_tokenizer_eod_id",
+    "null_tokenizer_pad_id",
+)
+
+
+def tokenizer_flags(args: argparse.Namespace) -> dict:
+    """The TokenizerOptions fields beyond preprocess()'s own parameters, from the parsed flags."""
+    return dict(
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        special_tokens=tuple(args.tokenizer_special_tokens) if args.tokenizer_special_tokens else None,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        hf_include_special_tokens=not args.tokenizer_hf_no_include_special_tokens,
+        hf_use_fast=not args.tokenizer_hf_no_use_fast,
+        trust_remote_code=args.trust_remote_code,
+        null_eod_id=args.null_tokenizer_eod_id,
+        null_pad_id=args.null_tokenizer_pad_id,
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -351,6 +435,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             args.log_interval,
             legacy_tokenizer=args.legacy_tokenizer,
             drop_blank_documents=args.drop_blank_documents,
+            **tokenizer_flags(args),
         )
     except DataError as e:
         print(f"tricorn preprocess: error: {e}", file=sys.stderr)

@@ -1,17 +1,20 @@
-"""Tokenizers (NullTokenizer, SentencePieceTokenizer) and `tricorn tokenizer train`.
+"""Tokenizers: the interface, NullTokenizer, SentencePieceTokenizer, the type -> class table, and `tricorn tokenizer train`.
 
-Both share one small interface: encode, decode, vocab_size, eod, pad (pad -1:
-none). Every Megatron --tokenizer-type is accepted, by preprocessing and by
-training alike, with megatron-core (>= 0.18) semantics:
+Every tokenizer has one small interface: encode, encode_batch, decode, vocab_size, eod, pad and bos (-1:
+none). Every Megatron --tokenizer-type below is accepted, by preprocessing and by training alike, with
+megatron-core (>= 0.18) semantics; TokenizerOptions holds Megatron's tokenizer flags:
 
-- NullTokenizer(V): text is whitespace-separated token ids; vocabulary V, eod
-  V - 1, no pad. With --legacy-tokenizer, legacy Megatron's: eod is id V on
-  top of the V text ids, vocabulary V + 1.
+- NullTokenizer(V): text is whitespace-separated token ids; vocabulary V, eod V - 1 (or
+  --null-tokenizer-eod-id), pad --null-tokenizer-pad-id (-1: none). With --legacy-tokenizer, legacy
+  Megatron's: eod is id V on top of the V text ids, vocabulary V + 1.
 - SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer (model):
   vocab_size is the model's piece count, eod its </s> id, pad its <pad> id
   (none when it has none); no BOS. With --legacy-tokenizer, Llama2Tokenizer
   puts BOS before every document as legacy Megatron's did (legacy
   SentencePieceTokenizer, with its own added special tokens, is refused).
+- GPT2BPETokenizer, HuggingFaceTokenizer: tricorn/data/hf_tokenizer.py (the `tokenizers` library).
+- TikTokenizer, and tricorn's Llama3Tokenizer (Llama 3's tokenizer.model): tricorn/data/tiktoken_tokenizers.py
+  (the `tiktoken` library). Those modules, and their libraries, are imported only when such a type is built.
 - loss_pad_id: the id whose labels are left out of the loss, -1 when the pad
   id is missing or shared with eod/BOS (megatron-core then masks nothing).
 
@@ -24,12 +27,15 @@ whitespace (so decode(encode(x)) == x and indentation survives), byte fallback
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
+import importlib
 import json
 import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 from tricorn.data.errors import DataError
@@ -44,6 +50,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
@@ -51,15 +59,20 @@ class NullTokenizer:
     """Text is already token ids separated by whitespace; ids must lie in [0, vocab_size)."""
 
     name = "NullTokenizer"
-    pad = -1  # megatron-core's NullTokenizer has none
     bos = -1
 
-    def __init__(self, vocab_size: int, legacy: bool = False):
+    def __init__(self, vocab_size: int, legacy: bool = False, eod_id: Optional[int] = None, pad_id: int = -1):
         if vocab_size < 2:
             raise DataError(f"NullTokenizer needs --vocab-size of at least 2, got {vocab_size}")
         # Legacy Megatron adds eod as id V after the V text ids; megatron-core makes eod the last of V ids.
         self.vocab_size = int(vocab_size) + (1 if legacy else 0)
-        self.eod = self.vocab_size - 1
+        self.eod = self.vocab_size - 1 if eod_id is None else int(eod_id)
+        self.pad = int(pad_id)  # megatron-core's NullTokenizer: -1 (none) unless --null-tokenizer-pad-id
+        for flag, value in (("--null-tokenizer-eod-id", self.eod), ("--null-tokenizer-pad-id", self.pad)):
+            if value >= self.vocab_size or value < -1 or (value == -1 and flag.endswith("eod-id")):
+                raise DataError(
+                    f"{flag} {value} is outside the vocabulary [0, {self.vocab_size}); raise --vocab-size or lower it"
+                )
         self._text_ids = int(vocab_size)
 
     def encode(self, text: str) -> list[int]:
@@ -68,6 +81,9 @@ class NullTokenizer:
             if not 0 <= i < self._text_ids:
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {self._text_ids})")
         return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
@@ -92,7 +108,9 @@ class SentencePieceTokenizer:
             self._sp = spm.SentencePieceProcessor(model_file=model_path)
         except (RuntimeError, OSError) as e:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(f"--tokenizer-model {model_path} is not a sentencepiece model ({first})") from None
+            other = tokenizer_file_kind(model_path)
+            reader = f"; it looks like {other}" if other else ""
+            raise DataError(f"--tokenizer-model {model_path} is not a sentencepiece model ({first}){reader}") from None
         self.model_path = model_path
         self.vocab_size = int(self._sp.get_piece_size())
         eos, pad = self._sp.eos_id(), self._sp.pad_id()
@@ -114,37 +132,196 @@ class SentencePieceTokenizer:
         ids = self._encode(text)
         return self._prefix + ids if self._prefix else ids
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._decode([int(i) for i in ids])
 
 
-# Every Megatron --tokenizer-type tricorn reads; the sentencepiece ones share one class (see the module docstring).
+# Every Megatron --tokenizer-type tricorn reads, and the class (module:name) that reads it; the sentencepiece
+# ones share one class (see the module docstring). Llama3Tokenizer is tricorn's own (Llama 3's tokenizer.model).
 TOKENIZER_TYPES: dict[str, str] = {
     "NullTokenizer": "NullTokenizer",
     "SentencePieceTokenizer": "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer": "SentencePieceTokenizer",
     "Llama2Tokenizer": "SentencePieceTokenizer",
+    "GPT2BPETokenizer": "tricorn.data.hf_tokenizer:GPT2BPETokenizer",
+    "HuggingFaceTokenizer": "tricorn.data.hf_tokenizer:HuggingFaceTokenizer",
+    "TikTokenizer": "tricorn.data.tiktoken_tokenizers:TikTokenizer",
+    "Llama3Tokenizer": "tricorn.data.tiktoken_tokenizers:Llama3Tokenizer",
 }
+
+
+@dataclass(frozen=True)
+class TokenizerOptions:
+    """Everything that picks and configures a tokenizer: Megatron's tokenizer flags (picklable, for the workers).
+
+    vocab_size is the model's --vocab-size: NullTokenizer's vocabulary, TikTokenizer's (default 131072),
+    and for the other types only a floor checked against the tokenizer's own.
+    """
+
+    tokenizer_type: str
+    tokenizer_model: Optional[str] = None
+    vocab_size: Optional[int] = None
+    legacy: bool = False
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    special_tokens: Optional[tuple[str, ...]] = None
+    tiktoken_pattern: Optional[str] = None
+    tiktoken_num_special_tokens: int = 1000
+    hf_include_special_tokens: bool = True
+    hf_use_fast: bool = True
+    trust_remote_code: bool = False
+    null_eod_id: Optional[int] = None
+    null_pad_id: int = -1
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> TokenizerOptions:
+        d = cfg.data
+        return cls(
+            d.tokenizer_type,
+            d.tokenizer_model,
+            cfg.model.vocab_size,
+            d.legacy_tokenizer,
+            d.vocab_file,
+            d.merge_file,
+            tuple(d.tokenizer_special_tokens) if d.tokenizer_special_tokens else None,
+            d.tiktoken_pattern,
+            d.tiktoken_num_special_tokens,
+            not d.tokenizer_hf_no_include_special_tokens,
+            not d.tokenizer_hf_no_use_fast,
+            d.trust_remote_code,
+            d.null_tokenizer_eod_id,
+            d.null_tokenizer_pad_id,
+        )
+
+    def source(self) -> str:
+        """The file the tokenizer comes from, for messages."""
+        return self.tokenizer_model or self.vocab_file or self.tokenizer_type
 
 
 def build_tokenizer_from(
     tokenizer_type: str, tokenizer_model: Optional[str], vocab_size: Optional[int], legacy: bool = False
 ) -> Tokenizer:
-    kind = TOKENIZER_TYPES.get(tokenizer_type)
+    return build_tokenizer_with(TokenizerOptions(tokenizer_type, tokenizer_model, vocab_size, legacy))
+
+
+# Built tokenizers by (options, the files' sizes and times): a run builds its tokenizer before launch and again for
+# the loaders, and a 128k-token BPE takes a second or two to load. A changed file is a new key.
+_built: dict[tuple, Tokenizer] = {}
+_HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json", "added_tokens.json")
+
+
+def _file_stamps(o: TokenizerOptions) -> tuple:
+    stamps = []
+    for path in (o.tokenizer_model, o.vocab_file, o.merge_file):
+        for f in [os.path.join(path, n) for n in _HF_FILES] if path and os.path.isdir(path) else [path]:
+            try:
+                st = os.stat(f) if f else None
+            except OSError:
+                st = None
+            stamps.append((f, st.st_size, st.st_mtime_ns) if st else (f, None, None))
+    return tuple(stamps)
+
+
+def build_tokenizer_with(o: TokenizerOptions) -> Tokenizer:
+    """The tokenizer the options name (DataError, one line, when its files are missing or wrong); cached per process."""
+    if o.tokenizer_type not in VOCAB_FROM_FLAG and o.vocab_size is not None:
+        o = dataclasses.replace(o, vocab_size=None)  # only a floor for these types: the same tokenizer either way
+    key = (o, _file_stamps(o))
+    if key not in _built:
+        if len(_built) >= 4:
+            _built.clear()
+        _built[key] = _build(o)
+    return _built[key]
+
+
+def _build(o: TokenizerOptions) -> Tokenizer:
+    kind = TOKENIZER_TYPES.get(o.tokenizer_type)
     if kind is None:
-        raise DataError(f"unknown --tokenizer-type {tokenizer_type}; use one of {', '.join(TOKENIZER_TYPES)}")
+        raise DataError(f"unknown --tokenizer-type {o.tokenizer_type}; use one of {', '.join(TOKENIZER_TYPES)}")
+    if o.special_tokens and o.tokenizer_type not in ("GPT2BPETokenizer", "HuggingFaceTokenizer", "TikTokenizer"):
+        raise DataError(
+            f"--tokenizer-special-tokens applies to GPT2BPETokenizer, HuggingFaceTokenizer and TikTokenizer, not {o.tokenizer_type}"
+        )
+    if ":" in kind:
+        module, name = kind.split(":")
+        return getattr(importlib.import_module(module), name).from_options(o)
     if kind == "NullTokenizer":
-        if vocab_size is None:
+        if o.vocab_size is None:
             raise DataError("--tokenizer-type NullTokenizer needs --vocab-size")
-        return NullTokenizer(vocab_size, legacy)
-    if legacy and tokenizer_type == "SentencePieceTokenizer":
+        return NullTokenizer(o.vocab_size, o.legacy, o.null_eod_id, o.null_pad_id)
+    if o.legacy and o.tokenizer_type == "SentencePieceTokenizer":
         raise DataError(
             "--legacy-tokenizer with SentencePieceTokenizer (legacy Megatron's, with its own added special tokens) "
             "is not supported; use GPTSentencePieceTokenizer or Llama2Tokenizer, or drop --legacy-tokenizer"
         )
-    if not tokenizer_model:
-        raise DataError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model FILE.model")
-    return SentencePieceTokenizer(tokenizer_model, add_bos=legacy and tokenizer_type == "Llama2Tokenizer")
+    if not o.tokenizer_model:
+        raise DataError(f"--tokenizer-type {o.tokenizer_type} needs --tokenizer-model FILE.model")
+    return SentencePieceTokenizer(o.tokenizer_model, add_bos=o.legacy and o.tokenizer_type == "Llama2Tokenizer")
+
+
+# The types whose vocabulary is --vocab-size itself; every other type has its own, which --vocab-size may only exceed.
+VOCAB_FROM_FLAG = ("NullTokenizer", "TikTokenizer")
+
+
+def check_vocab_size(tokenizer: Tokenizer, o: TokenizerOptions) -> None:
+    """A --vocab-size below the tokenizer's vocabulary is refused: its ids past it would have no embedding row."""
+    if o.vocab_size is not None and o.tokenizer_type not in VOCAB_FROM_FLAG and o.vocab_size < tokenizer.vocab_size:
+        raise DataError(
+            f"--vocab-size {o.vocab_size} is smaller than the vocabulary of tokenizer {o.source()} ({tokenizer.vocab_size} "
+            f"tokens); raise it to at least {tokenizer.vocab_size} or leave it out to use the tokenizer's"
+        )
+
+
+def tokenizer_file_kind(path: str) -> str:
+    """What a tokenizer file looks like, naming the --tokenizer-type that reads it ("" when unrecognised).
+
+    Read from its first bytes only, for the one-line error when a file is given to the wrong type.
+    """
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            return "a Hugging Face directory (--tokenizer-type HuggingFaceTokenizer reads it)"
+        return ""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return ""
+    text = head.lstrip()
+    if text.startswith(b"["):
+        return "a TikTokenizer JSON vocabulary (--tokenizer-type TikTokenizer reads it)"
+    if text.startswith(b"{"):
+        if b'"model"' in head or b'"added_tokens"' in head or b'"truncation"' in head:
+            return "a Hugging Face tokenizer.json (--tokenizer-type HuggingFaceTokenizer reads its directory)"
+        if b'"config"' in head and b'"vocab"' in head:
+            return "a Tekken JSON vocabulary (--tokenizer-type TikTokenizer reads it)"
+        return "a JSON vocabulary such as GPT-2's vocab.json (--tokenizer-type GPT2BPETokenizer reads it with --vocab-file)"
+    if text.startswith(b"#version"):
+        return "a BPE merges file (--tokenizer-type GPT2BPETokenizer reads it with --merge-file)"
+    first = text.split(b"\n", 1)[0].split()
+    if len(first) == 2 and first[1].isdigit() and _is_base64(first[0]):
+        return "a tiktoken base64 file such as Llama 3's tokenizer.model (--tokenizer-type Llama3Tokenizer reads it)"
+    if head[:1] == b"\n":  # a protobuf field 1 (pieces), as every sentencepiece model begins
+        return "a SentencePiece model (--tokenizer-type SentencePieceTokenizer or Llama2Tokenizer reads it)"
+    return ""
+
+
+def _is_base64(token: bytes) -> bool:
+    import binascii
+
+    try:
+        binascii.a2b_base64(token)
+    except binascii.Error:
+        return False
+    return True
+
+
+def wrong_kind(path: str, expected: str) -> str:
+    """The tail of the one-line error for a file of the wrong format: what it seems to be, or what was expected."""
+    kind = tokenizer_file_kind(path)
+    return f"it looks like {kind}" if kind else f"expected {expected}"
 
 
 def loss_pad_id(tokenizer: Tokenizer) -> int:
@@ -154,9 +331,8 @@ def loss_pad_id(tokenizer: Tokenizer) -> int:
 
 
 def build_tokenizer(cfg: Any) -> Tokenizer:
-    """The tokenizer a Config names (cfg.data.tokenizer_type/tokenizer_model/legacy_tokenizer, cfg.model.vocab_size)."""
-    d = cfg.data
-    return build_tokenizer_from(d.tokenizer_type, d.tokenizer_model, cfg.model.vocab_size, d.legacy_tokenizer)
+    """The tokenizer a Config names (its data section's tokenizer flags and cfg.model.vocab_size)."""
+    return build_tokenizer_with(TokenizerOptions.from_config(cfg))
 
 
 # ---------------------------------------------------------------- training

@@ -74,6 +74,7 @@ from tricorn.model.init import InitSpec, is_expert, is_hollow
 from tricorn.parallel.buckets import plan_buckets
 from tricorn.parallel.grads import is_tied_copy, is_tied_embedding
 from tricorn.parallel.state import ParallelState
+from tricorn.profiling import span
 
 # ZeRO-2/3: transient bucket buffers whose reduce-scatter may be in flight at once. One keeps the peak at
 # full/DP + 2 buckets (the one filling, the one reducing) and still overlaps each reduction with the next
@@ -224,14 +225,16 @@ class Bucket:
         self.zero_unwritten()
         if self.world == 1:
             return
-        if self.distributed:  # in place: the owned shard of the input receives the sum
-            self.reduce_work = dist.reduce_scatter_single(grads[self.lo : self.hi], grads, group=self.group, async_op=True)
-        else:
-            self.reduce_work = dist.all_reduce(grads, group=self.group, async_op=True)
+        with span("dp reduce bucket %d", self.index):
+            if self.distributed:  # in place: the owned shard of the input receives the sum
+                self.reduce_work = dist.reduce_scatter_single(grads[self.lo : self.hi], grads, group=self.group, async_op=True)
+            else:
+                self.reduce_work = dist.all_reduce(grads, group=self.group, async_op=True)
 
     def finish_reduce(self) -> None:
         if self.reduce_work is not None:
-            self.reduce_work.wait()
+            with span("dp reduce wait bucket %d", self.index):
+                self.reduce_work.wait()
             self.reduce_work = None
         if self.sharded_grads and self.grad_flat is not None:
             self.grad_shard.add_(self.grad_flat[self.lo : self.hi])
@@ -240,11 +243,13 @@ class Bucket:
     def start_param_gather(self) -> None:
         if self.world == 1 or not self.distributed:
             return
-        self.gather_work = dist.all_gather_single(self.param_flat, self.shard_param(), group=self.group, async_op=True)
+        with span("dp gather bucket %d", self.index):
+            self.gather_work = dist.all_gather_single(self.param_flat, self.shard_param(), group=self.group, async_op=True)
 
     def finish_param_gather(self) -> None:
         if self.gather_work is not None:
-            self.gather_work.wait()
+            with span("dp gather wait bucket %d", self.index):
+                self.gather_work.wait()
             self.gather_work = None
 
 

@@ -60,6 +60,7 @@ from tricorn.parallel.precision import StateDtypes, moment_scale, to_storage
 from tricorn.parallel.shard_state import ParamShard, ShardState, StepContext
 from tricorn.parallel.state import ParallelState
 from tricorn.parallel.zero3 import ParamSharder, unit_params, zero3_units
+from tricorn.profiling import span_of
 
 INJECT_INF_AT_ITER = "TRICORN_TEST_INJECT_INF_AT_ITER"
 INJECT_INF_RANK = "TRICORN_TEST_INJECT_INF_RANK"
@@ -169,6 +170,7 @@ class Optimizer:
 
     # ------------------------------------------------------------ step
 
+    @span_of("optimizer step")
     def step(self, veto: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None) -> StepInfo:
         """One optimizer step with no host read: the norm, the overflow flag and the skip stay on the device.
 

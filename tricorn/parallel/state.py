@@ -16,7 +16,7 @@ groups every other module receives explicitly (no module globals):
 
 Launch: torchrun's RANK/WORLD_SIZE/LOCAL_RANK, or srun's SLURM_PROCID/
 SLURM_NTASKS/SLURM_LOCALID with MASTER_ADDR from the first host of the node
-list. A single `python pretrain_gpt.py` becomes a world of one. Backend: gloo
+list (an srun task ignores a RANK/WORLD_SIZE it inherited: launch_errors.srun_task). A single `python pretrain_gpt.py` becomes a world of one. Backend: gloo
 on cpu, nccl on cuda. Building the mesh creates the groups (one collective per
 group at start-up); no memory effect beyond the communicators.
 
@@ -43,6 +43,7 @@ from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tricorn.config import Config
+from tricorn.launch_errors import srun_task
 
 
 @dataclass
@@ -150,7 +151,7 @@ def _first_slurm_host(nodelist: str) -> str:
 def launch_env() -> dict[str, str]:
     """RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from torchrun, srun, or a single process."""
     env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
+    if "RANK" in env and "WORLD_SIZE" in env and not srun_task(env):  # an srun task's identity is SLURM's alone
         return {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k in env}
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         job = int(env.get("SLURM_JOB_ID", "0"))

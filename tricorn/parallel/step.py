@@ -17,6 +17,7 @@ from torch import nn
 
 from tricorn.data.base import Batch
 from tricorn.model.moe import set_aux_loss_scale
+from tricorn.profiling import span
 from tricorn.timers import NULL_TIMERS, Timers
 
 
@@ -71,8 +72,10 @@ def forward_backward_no_pipelining(chunks: list[nn.Module], microbatches: list[B
                 loss = microbatch_loss(model, mb, ctx.num_tokens)
         else:
             with ctx.optimizer.microbatch(is_last=i == len(microbatches) - 1):
-                loss = microbatch_loss(model, mb, ctx.num_tokens)
+                with span("forward mb%d", i):
+                    loss = microbatch_loss(model, mb, ctx.num_tokens)
                 set_moe_aux_weight(ctx, mb)
-                ctx.optimizer.scale_loss(loss).backward()
+                with span("backward mb%d", i):
+                    ctx.optimizer.scale_loss(loss).backward()
         total += loss.detach().float()
     return total

@@ -17,7 +17,8 @@ import os
 import sys
 from typing import Optional
 
-from tricorn.config import Config, ConfigError, build_parser, config_from_args
+from tricorn.config import Config, ConfigError
+from tricorn.config_args import build_parser, config_from_args
 from tricorn.parallel.te import ON_THIS_NODE
 from tricorn.planning.flops import iteration_flops_for_config
 from tricorn.planning.fp8_terms import fp8_terms
@@ -62,10 +63,10 @@ def config_for_estimate(argv: list[str], world_size: Optional[int] = None) -> Co
     cfg = config_from_args(argv, world_size=world_size)
     if "--device" not in argv:
         cfg.device = "cuda"
-    if cfg.model.vocab_size is None and cfg.data.tokenizer_model:
-        cfg.model.vocab_size = _tokenizer_vocab(cfg.data.tokenizer_model)
+    if cfg.model.vocab_size is None and (cfg.data.tokenizer_model or cfg.data.vocab_file):
+        cfg.model.vocab_size = _tokenizer_vocab(cfg)
     if cfg.model.vocab_size is None:
-        raise ConfigError("the vocabulary size is unknown: pass --vocab-size N or --tokenizer-model FILE.model")
+        raise ConfigError("the vocabulary size is unknown: pass --vocab-size N or the tokenizer's files (--tokenizer-model ...)")
     # An estimate needs no data, and plans on any node: what this node has installed does not matter.
     errors = [e for e in validate(cfg) if "training data" not in e and ON_THIS_NODE not in e]
     if errors:
@@ -73,13 +74,14 @@ def config_for_estimate(argv: list[str], world_size: Optional[int] = None) -> Co
     return cfg
 
 
-def _tokenizer_vocab(path: str) -> int:
-    import sentencepiece
+def _tokenizer_vocab(cfg: Config) -> int:
+    from tricorn.data.errors import DataError
+    from tricorn.data.tokenizer import build_tokenizer
 
     try:
-        return int(sentencepiece.SentencePieceProcessor(model_file=path).get_piece_size())
-    except OSError as e:
-        raise ConfigError(f"cannot read --tokenizer-model {path}: {e}") from None
+        return int(build_tokenizer(cfg).vocab_size)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
 
 
 def estimate_record(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> dict:

@@ -4,13 +4,14 @@ The script (see scripts/slurm/README.md):
 - asks SLURM for whole nodes, one task per GPU, requeue on preemption/timeout, and USR1 to the batch shell
   180 s before the time limit (``--signal=B:USR1@180``); output appends across requeues;
 - runs ``srun pretrain_gpt.py`` in the background; each task reads RANK / WORLD_SIZE / LOCAL_RANK from
-  SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, MASTER_ADDR is the first host of the allocation;
+  SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID alone (a RANK, WORLD_SIZE or MASTER_PORT the submitting shell
+  exported is dropped, with one line), MASTER_ADDR is the first host of the allocation;
 - traps USR1 and forwards it to srun, whose tasks (``--exit-signal-handler --exit-signal SIGUSR1``) save a
   checkpoint and exit 0; the script then requeues the job, which resumes from the same --save/--load dir;
 - requeues, at most MAX_REQUEUES times, when the hang watchdog ended the run (exit 75, its line in
   $TRICORN_EXIT_REPORT) or a task was killed by a signal (a dead rank, a lost node), logging each cause;
-- sets the NCCL environment so that NCCL never SIGABRTs a rank before tricorn's watchdog reports, and its flight
-  recorder dumps into the run's log directory;
+- sets the NCCL environment so that NCCL never SIGABRTs a rank before tricorn's watchdog reports; the flight
+  recorder (--flight-recorder-dump-path) dumps into the run's log directory on a hang or NCCL timeout;
 - writes TensorBoard events and per-rank logs under the run directory, one subdirectory per job;
 - passes --data-cache-path on shared storage (the run directory): rank 0 builds the sample-index cache
   first (data/cache.py, a barrier), every other rank and every requeue reads it.
@@ -133,12 +134,6 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # (SIGABRT, exit 134, no Python line); 2 only aborts the communicators: the collective raises (one line) or the
 # watchdog reports, and this script requeues on 75.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-2}
-# Flight recorder: each rank keeps its last 2000 collectives and dumps them on a NCCL timeout into the run's logs
-# (TORCH_FR_DUMP_TEMP_FILE is torch 2.13's name, TORCH_NCCL_DEBUG_INFO_TEMP_FILE the older one it still reads).
-export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
-export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
-export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$LOG_DIR/nccl_trace_rank_}
-export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$TORCH_FR_DUMP_TEMP_FILE}
 # NCCL's heartbeat monitor kills a rank whose NCCL watchdog thread is itself stuck (a hung CUDA call); torch's 480 s
 # would come before tricorn's watchdog, so it waits 15 minutes (keep it above --hang-timeout-minutes).
 export TORCH_NCCL_ENABLE_MONITORING=${TORCH_NCCL_ENABLE_MONITORING:-1}
@@ -183,9 +178,25 @@ fi
 read -r -a DATA_ARRAY <<<"$DATA_ARGS"
 read -r -a EXTRA_ARRAY <<<"${{EXTRA_ARGS:-}}"
 
-# Rendezvous: rank 0 runs on the first node; every task derives its rank from SLURM_PROCID/NTASKS/LOCALID.
+# Rendezvous: rank 0 runs on the first node; every task derives its rank from SLURM_PROCID/NTASKS/LOCALID. sbatch
+# hands on the submitting shell's environment: a launch variable from there (a torchrun session's RANK, WORLD_SIZE,
+# MASTER_PORT) is dropped, with one line; TRICORN_MASTER_PORT chooses the port on purpose.
+INHERITED=()
+for VAR in RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK; do
+    if [[ -n ${{!VAR+x}} ]]; then
+        INHERITED+=("$VAR=${{!VAR}}")
+        unset "$VAR"
+    fi
+done
+OLD_ADDR=${{MASTER_ADDR:-}}
+OLD_PORT=${{MASTER_PORT:-}}
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-MASTER_PORT=${{MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
+MASTER_PORT=${{TRICORN_MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
+[[ -n $OLD_ADDR && $OLD_ADDR != "$MASTER_ADDR" ]] && INHERITED+=("MASTER_ADDR=$OLD_ADDR")
+[[ -n $OLD_PORT && $OLD_PORT != "$MASTER_PORT" ]] && INHERITED+=("MASTER_PORT=$OLD_PORT")
+if ((${{#INHERITED[@]}})); then
+    echo "tricorn: warning: ignoring ${{INHERITED[*]}} from the submitting shell: each task takes its rank from SLURM and the rendezvous from the job (TRICORN_MASTER_PORT sets the port)"
+fi
 export MASTER_ADDR MASTER_PORT
 {env}
 
@@ -196,6 +207,7 @@ ARGS=(
     --exit-signal-handler
     --exit-signal SIGUSR1
     --hang-timeout-minutes 8
+    --flight-recorder-dump-path "$LOG_DIR/flight_recorder"
     --tensorboard-dir "$TB_DIR"
     --log-dir "$LOG_DIR"
     --data-cache-path "$DATA_CACHE_DIR"

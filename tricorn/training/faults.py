@@ -7,7 +7,9 @@ RESTART, only in the run whose $SLURM_RESTART_COUNT (0 when unset) is RESTART (a
 - ``kill``: SIGKILL itself (a crashed process, an OOM kill);
 - ``stop``: SIGSTOP itself (a frozen process: no thread runs, not even the heartbeat). A reaper process then
   SIGKILLs it once every other rank of the job has exited, so that the launch ends;
-- ``sleep``: ``time.sleep`` for an hour in the main thread (stuck in Python: the heartbeat thread goes on).
+- ``sleep``: ``time.sleep`` for an hour in the main thread (stuck in Python: the heartbeat thread goes on);
+- ``oom``: the next module forward raises ``torch.OutOfMemoryError`` with CUDA's message (an allocation that does
+  not fit), from inside the model, as a real one would (training/oom.py reports it).
 
 Read once per process; no collectives, no memory.
 """
@@ -22,7 +24,7 @@ import time
 from functools import lru_cache
 
 ENV = "TRICORN_TEST_FAULT"
-KINDS = ("kill", "stop", "sleep")
+KINDS = ("kill", "stop", "sleep", "oom")
 
 # Waits until no pid given is a live process (gone, or a zombie its parent has not reaped), then kills the target.
 _REAPER = """
@@ -76,5 +78,24 @@ def maybe_inject(rank: int, iteration: int) -> None:
         peers = [str(p) for p in peer_pids() if p != os.getpid()]
         subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), *peers], start_new_session=True)
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "oom":
+        _raise_in_next_forward()
     else:
         time.sleep(3600)
+
+
+# What the CUDA caching allocator says (torch 2.13, c10/cuda/CUDACachingAllocator.cpp), with made-up figures.
+OOM_MESSAGE = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB of which 1.25 GiB is free. "
+    "Of the allocated memory 71.20 GiB is allocated by PyTorch, and 6.40 GiB is reserved by PyTorch but unallocated."
+)
+
+
+def _raise_in_next_forward() -> None:
+    import torch
+
+    def hook(module, args):
+        handle.remove()
+        raise torch.OutOfMemoryError(OOM_MESSAGE)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)

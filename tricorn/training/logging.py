@@ -1,9 +1,9 @@
 """What a run reports: start-up block, console line with ETA, TensorBoard scalars, JSON lines, per-rank log files.
 
 Sinks. Rank 0 writes TensorBoard (Megatron's tag names, each also as "<tag> vs tokens" on a
-consumed-tokens axis, the resolved config as text), the --metrics-file JSON lines and the
-console line. Every rank sends its warnings (the ``tricorn.*`` loggers and Python warnings) to
-stderr tagged with its rank, and with --log-dir writes its own ``rank-NNNNN.log`` (console lines,
+consumed-tokens axis, the resolved config as text), Weights & Biases with --wandb-project (the same
+scalars; wandb_sink.py), the --metrics-file JSON lines and the console line. Every rank sends its
+warnings (the ``tricorn.*`` loggers and Python warnings) to stderr tagged with its rank, and with --log-dir writes its own ``rank-NNNNN.log`` (console lines,
 info messages, warnings, an uncaught traceback); rank 0 also writes ``config.yaml`` there.
 
 Metrics per logged iteration (lm loss, times and rates over the iterations since the previous
@@ -40,6 +40,7 @@ from tricorn.planning.flops import IterationFlops, iteration_flops_for_config, m
 from tricorn.planning.hardware import detect_gpu_type, mfu_dtype, peak_tflops
 from tricorn.timers import PHASES, Timers
 from tricorn.training.measurements import max_over_ranks, memory_bytes, parameter_counts, params_norm
+from tricorn.training.wandb_sink import WandbSink
 
 log = logging.getLogger("tricorn")
 console_log = logging.getLogger("tricorn.console")
@@ -141,6 +142,8 @@ class MetricsLogger:
         self.device = torch.device(device or cfg.device or "cpu")
         self.writer: Optional[Any] = None
         self.metrics_file = None
+        # --wandb-project: rank 0's W&B run, started by start_wandb once the checkpoint (and its run id) is loaded
+        self.wandb = WandbSink(cfg) if self.enabled and cfg.logging.wandb_project else None
         self._last_seconds = 0.0  # the latest iteration's time: the ETA's pace before there is a mean
         self._warmed_up = False  # the first iteration (allocation, caches) is left out of the ETA's pace
         self._iter_seconds, self._iter_count = 0.0, 0
@@ -182,8 +185,20 @@ class MetricsLogger:
 
     # ------------------------------------------------------------ sinks
 
+    @property
+    def wandb_run_id(self) -> Optional[str]:
+        return self.wandb.run_id if self.wandb is not None else None
+
+    def start_wandb(self, resume_id: Optional[str]) -> None:
+        """--wandb-project (rank 0): start the W&B run; `resume_id` (from the loaded checkpoint) continues that one."""
+        if self.wandb is not None:
+            self.wandb.start(resume_id)
+
     def scalars(self, iteration: int, values: dict[str, float], tokens: Optional[int] = None) -> None:
-        """Each value at ``iteration``, and as "<tag> vs tokens" at ``tokens`` consumed tokens when given."""
+        """Each value at ``iteration``, and as "<tag> vs tokens" at ``tokens`` consumed tokens when given (W&B: the same
+        values at the same iteration, and the tokens as ``consumed-tokens``)."""
+        if self.wandb is not None:
+            self.wandb.log(iteration, values, tokens)
         if self.writer is None:
             return
         for tag, value in values.items():
@@ -206,6 +221,8 @@ class MetricsLogger:
             self.writer.add_text(tag, text)
 
     def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.close()
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()

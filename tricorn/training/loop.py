@@ -30,11 +30,13 @@ from torch import nn
 
 from tricorn.config import Config
 from tricorn.data.base import Batch, GlobalBatchLoader
+from tricorn.lr_schedule import schedule_from_config, steps_can_be_skipped
 from tricorn.parallel.batch_schedule import MicrobatchCalculator
 from tricorn.parallel.context import slice_batch
 from tricorn.parallel.expert import MoEMonitor
 from tricorn.parallel.state import ParallelState
 from tricorn.parallel.step import StepContext, forward_backward_no_pipelining
+from tricorn.profiling import Profiler
 from tricorn.timers import (
     CHECKPOINT_STALL,
     DATA_LOADING,
@@ -45,7 +47,6 @@ from tricorn.timers import (
 )
 from tricorn.training.faults import maybe_inject
 from tricorn.training.logging import MetricsLogger, warn
-from tricorn.training.lr_schedule import schedule_from_config, steps_can_be_skipped
 from tricorn.training.lr_step import ScheduleDriver
 from tricorn.training.memory_report import iteration_peak, write_memory_report
 from tricorn.training.spikes import SpikeGuard
@@ -96,6 +97,7 @@ class Trainer:
     spikes: Optional[SpikeGuard] = None  # --check-for-spiky-loss: skips spiky iterations on the device (spikes.py)
     stragglers: Optional[StragglerMonitor] = None  # each rank's own work, gathered at log lines (stragglers.py)
     straggler_report: Optional[StragglerReport] = None  # of the last log line (logging.py shows it)
+    profiler: Profiler = field(default_factory=Profiler.disabled)  # --profile's window around iterations (profiling.py)
     lr_schedule: Optional[ScheduleDriver] = None  # Megatron's lr schedule (lr_schedule.py, lr_step.py); built if None
 
     def __post_init__(self) -> None:
@@ -280,6 +282,7 @@ class Trainer:
         t, d = self.cfg.training, self.cfg.data
         first_of_run = True
         while self.iteration < t.train_iters:
+            self.profiler.begin(self.iteration + 1)
             report = first_of_run and hasattr(self.optimizer, "memory_tensors")
             # The peak tracker is a TorchDispatchMode, under which dynamo does not trace (and then never compiles
             # that code): with --torch-compile the report has only CUDA's allocator peak (none on CPU).
@@ -297,11 +300,13 @@ class Trainer:
                 self.log(result)
             if self.valid_loader is not None and d.eval_interval and self.iteration % d.eval_interval == 0:
                 self.log_validation(self.evaluate())
+            stop = False
             if self.on_iteration_end is not None:
                 with self.timers(CHECKPOINT_STALL):  # shows in the next log: this iteration's line is already out
                     stop = self.on_iteration_end(self)
-                if stop:
-                    break
+            self.profiler.end(self.iteration)  # the window's iteration range holds the log line and the save
+            if stop:
+                break
 
     def _compile_report(self, first: bool) -> None:
         """--torch-compile: "compiled N regions in S s" once, after iteration 1; a warning if training compiles again."""

@@ -29,8 +29,8 @@ from typing import Optional, Union
 import torch
 
 from tricorn import pinned
+from tricorn.lr_schedule import LRSchedule
 from tricorn.training.logging import warn
-from tricorn.training.lr_schedule import LRSchedule
 
 MAX_CANDIDATES = 1024  # beyond this many possible skip sums the driver reads the skips (and says so once)
 Lr = Union[float, torch.Tensor]

@@ -12,12 +12,22 @@ import traceback
 from typing import Optional
 
 from tricorn.config import Config
-from tricorn.launch_errors import CONFIG_ERROR, HANG_ERROR, RUN_ERROR, fail, launch_rank, write_error_file
+from tricorn.launch_errors import (
+    CONFIG_ERROR,
+    HANG_ERROR,
+    RUN_ERROR,
+    fail,
+    inherited_identity,
+    launch_rank,
+    write_error_file,
+)
 
 
 def resolve_config(argv: Optional[list[str]]) -> Config:
-    from tricorn.config import ConfigError, config_from_args
+    from tricorn.config import ConfigError
+    from tricorn.config_args import config_from_args
     from tricorn.parallel.state import world_size_from_env
+    from tricorn.training.wandb_sink import wandb_errors
     from tricorn.validation import output_path_errors, validate
 
     try:
@@ -29,6 +39,7 @@ def resolve_config(argv: Optional[list[str]]) -> Config:
         errors = output_path_errors(cfg)
         errors = errors or _prepare_vocab(cfg)
         errors += validate(cfg) if not errors else []
+        errors += wandb_errors(cfg) if not errors else []  # --wandb-project: the package and a login on this machine
         if not errors and cfg.device == "cuda":  # memory estimate vs the device (GPU only: CPU RAM is not the limit)
             from tricorn.planning.estimate import memory_errors, visible_device_memory
 
@@ -194,6 +205,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _run(argv: Optional[list[str]]) -> int:
+    inherited = inherited_identity()  # an srun task with a submitting shell's RANK/WORLD_SIZE: SLURM's win, one line
+    if inherited and launch_rank() == 0:
+        print(f"tricorn: warning: {inherited}", file=sys.stderr, flush=True)
     cfg = resolve_config(argv)
     if cfg.dry_run:  # the memory estimate of this exact config, no process group, no model
         from tricorn.planning.estimate import format_report
@@ -210,6 +224,9 @@ def _run(argv: Optional[list[str]]) -> int:
         return fail(damaged[0], RUN_ERROR, prints=launch_rank() == 0)
 
     exits = ExitConditions(cfg)  # from here on --exit-signal means "save and exit 0", not "die"
+    from tricorn.training.flight_recorder import configure as configure_flight_recorder
+
+    configure_flight_recorder(cfg, rank=launch_rank())  # torch reads its variables when the process group is made
     code = 1
     try:
         code = _train(cfg, init_parallel(cfg), exits)
@@ -227,6 +244,8 @@ def _train(cfg: Config, state, exits) -> int:
     """Build, load, train, save; 0 on success, 1 on a user-facing error (one line on stderr)."""
     from tricorn.checkpoint.checkpointer import Checkpointer, CheckpointError
     from tricorn.data.errors import DataError
+    from tricorn.profiling import Profiler
+    from tricorn.training import oom
     from tricorn.training.logging import MetricsLogger
     from tricorn.training.loop import NaNError
     from tricorn.training.spikes import SpikeLimit
@@ -234,16 +253,21 @@ def _train(cfg: Config, state, exits) -> int:
 
     logger = MetricsLogger(cfg, state.rank, state.device)
     ckpt = trainer = None
+    profiler = Profiler.from_config(cfg, state)
+    profiler.start_memory_history()  # --record-memory-history: before the model, so every allocation is in it
     watchdog = Watchdog(cfg, state).start()  # a stopped, dead or stuck rank is named; every rank exits 75
     try:
         trainer = build_trainer(cfg, state, logger)
+        trainer.profiler = profiler
         watchdog.iteration = lambda: trainer.iteration
         logger.startup(state, trainer.chunks, trainer.batch_sizes())  # layout, parameters, FLOPs, memory estimate
         _warn_math_attention(cfg, state)
         ckpt = Checkpointer(cfg, state, logger.console)
         ckpt.load(trainer)  # --load: model, optimizer, data position, RNG (any saved layout)
+        logger.start_wandb(ckpt.loaded_meta.get("wandb_run_id"))  # --wandb-project: a resume continues the same run
         trainer.on_iteration_end = ckpt.iteration_hook(exits)
         trainer.train()
+        profiler.finish(trainer.iteration)  # a window an exit signal cut short; the whole run's memory history
         ckpt.finish(trainer)  # the final save, and the wait for a background one
         trainer.optimizer.wait_all()  # nothing in flight when the groups go
         return 0
@@ -260,6 +284,9 @@ def _train(cfg: Config, state, exits) -> int:
     except RuntimeError as e:  # a dead or stopped peer: one line naming the collective, not gloo's traceback
         from tricorn.parallel.failures import collective_failure, peer_named
 
+        if oom.is_out_of_memory(e):  # one line from each rank that ran out, exit 3, nothing saved after it
+            return oom.report(e, cfg, state, trainer.iteration if trainer is not None else 0, profiler)
+
         line = collective_failure(e, state.rank, state.world_size, cfg.parallel.distributed_timeout_minutes)
         if line is None:
             raise
@@ -269,6 +296,7 @@ def _train(cfg: Config, state, exits) -> int:
         return fail(line, RUN_ERROR, prints=state.rank == 0 or peer_named(line) == 0)
     finally:
         watchdog.stop()  # first: the peers must not take this rank's leaving for a hang
+        profiler.close(trainer.iteration if trainer is not None else 0)  # a window an error cut short: its trace
         if ckpt is not None:
             ckpt.close()  # joins the background save thread
         logger.close()  # joins TensorBoard's writer thread

@@ -20,7 +20,8 @@ release the GIL while they wait, so its threads go on. When everyone waits, the 
 
 The verdict is one line (rank 0 prints it; another rank prints only when rank 0 itself is the one stopped) naming
 the stopped ranks with their iteration, phase and collective, the groups that wait on them (tp/pp/dp/cp/ep and
-their ranks) and where their logs are; then every rank leaves with HANG_ERROR through ``os._exit`` (the main
+their ranks) and where their logs are; with the flight recorder on (--flight-recorder-dump-path) every live rank
+dumps it first (flight_recorder.py) and the line names the directory; then every rank leaves with HANG_ERROR through ``os._exit`` (the main
 thread is blocked and cannot unwind). $TRICORN_EXIT_REPORT, when set (the sbatch scripts set it), receives
 ``HANG_ERROR line`` from the printing rank, so the batch script can requeue with the cause. After a collective
 of this rank failed (`explain_failure`: gloo reports a dead peer at once), a rank silent for three beats is named
@@ -46,6 +47,7 @@ import torch.distributed as dist
 
 from tricorn import launch_errors
 from tricorn.launch_errors import HANG_ERROR, fail
+from tricorn.training import flight_recorder
 
 PREFIX = "tricorn/hb/"
 VERDICT_KEY = PREFIX + "verdict"
@@ -170,8 +172,11 @@ class Judge:
         beat_limit = min(self.timeout_s, 3 * beat_interval(self.timeout_s) + 1.0) if failed else self.timeout_s
         silent = {r for r, s in live.items() if now - s.beat_at > beat_limit}
         stalled = {r for r, s in live.items() if now - s.progress_at > self.timeout_s}
-        stuck = silent | {r for r in stalled if not live[r].record.sample.waiting}
+        failing = {r for r, s in live.items() if s.record.failed}  # their collective failed: they wait for this verdict
+        stuck = silent | {r for r in stalled - failing if not live[r].record.sample.waiting}
         left = {r for r, s in self.seen.items() if s.record.done}
+        if not stuck and failing and left:  # a rank that left on an error of its own (out of memory) failed their collective
+            stuck = left
         if not stuck and stalled and stalled == set(live):  # everyone waits: on a rank that left, or on the slowest
             low = min(live[r].record.iteration for r in stalled)
             stuck = left or {r for r in stalled if live[r].record.iteration == low}
@@ -286,6 +291,7 @@ class Watchdog:
         self._threads: list[threading.Thread] = []
         self._warned = False
         self._rank0_done = False  # rank 0 stopped its watchdog (finished): its silence is not a hang
+        self.fr_prefix = flight_recorder.dump_prefix()  # where every rank dumps its flight recorder on a verdict
 
     # ------------------------------------------------------------ lifecycle
 
@@ -306,7 +312,8 @@ class Watchdog:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=2 * self.interval + 1)
-        self.record.done = True
+        # Where and when it leaves (not the last beat's, which may be an iteration old): named so if the others wait.
+        self.record = Record(self.record.beat + 1, self.iteration(), self._sample(), True, self.failed)
         try:
             self._set_own()
             if self.rank == 0:  # the verdict stops changing now, and the store may go: not a hang of rank 0
@@ -406,14 +413,28 @@ class Watchdog:
             if self.line is not None:
                 return
             self.line = line
+        line = self._dump_flight_recorder(line)
         if prints:
             write_exit_report(HANG_ERROR, line)
         fail(line, HANG_ERROR, prints=prints)  # a rank that does not print waits for the one that does
         if self.rank == 0 and self.world_size > 1:
             time.sleep(2 * self.interval + 0.5)  # the store lives in this process: let every rank read the verdict
+        elif self.fr_prefix is not None:  # every live rank reads the verdict within a beat: none leaves before all
+            time.sleep(2 * self.interval)  # have dumped (a peer's exit would fail, and so end, a waiting collective)
         sys.stdout.flush()
         sys.stderr.flush()
         self.exit_fn(HANG_ERROR)
+
+    def _dump_flight_recorder(self, line: str) -> str:
+        """Every live rank writes its flight recorder before it leaves (flight_recorder.py); the line says where."""
+        if self.fr_prefix is None:
+            return line
+        try:
+            flight_recorder.dump(self.fr_prefix, self.rank, self.groups, dist.get_backend())
+        except Exception as e:  # noqa: BLE001 - the verdict must still go out
+            print(f"tricorn: warning: rank {self.rank}: flight recorder dump failed: {type(e).__name__}: {e}", file=sys.stderr)
+        where = os.path.dirname(self.fr_prefix) or "."
+        return f"{line}; flight recorder dumps in {where} (tricorn fr-trace {where})"
 
 
 def write_exit_report(code: int, line: str) -> None:

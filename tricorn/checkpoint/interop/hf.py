@@ -7,7 +7,8 @@ untied, any float dtype) and writes a weights-only tricorn checkpoint,
 loads at any TP/PP/DP layout through `--load`. Training from it starts at
 iteration 0 with fresh optimizer state (Megatron's "release" checkpoints).
 export-hf reads a checkpoint of any layout and writes safetensors shards with
-their index, config.json and, when given, the tokenizer files.
+their index, config.json and the tokenizer files (hf_tokenizer_files.py: import-hf keeps them
+in SAVE/tokenizer/ and its printed command reads them).
 
 The mapping of configs and tensors (exact, so a round trip is bit-exact) is
 in hf_mapping.py.
@@ -58,16 +59,10 @@ from tricorn.checkpoint.interop.hf_mapping import (
     split,
     tensor_map,
 )
-from tricorn.config import Config, ModelConfig, dump_yaml
+from tricorn.checkpoint.interop.hf_tokenizer_files import export_tokenizer_files, keep_tokenizer, tokenizer_flags
+from tricorn.config import Config, DataConfig, ModelConfig, dump_yaml
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-)
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -136,6 +131,10 @@ def import_hf(hf_dir: Path, save: Path, console=print) -> Path:
     hf_dir, save = Path(hf_dir), Path(save)
     m = model_config_from_hf(read_hf_config(hf_dir), str(hf_dir / "config.json"))
     check_new_save(save)
+    tokenizer = keep_tokenizer(hf_dir, save, m.vocab_size, console)  # SAVE/tokenizer/, and the flags that read it
+    data = (
+        DataConfig(tokenizer_type=tokenizer[0], tokenizer_model=str(Path(tokenizer[1]).resolve())) if tokenizer else DataConfig()
+    )
     plan = tensor_map(m)
     start = time.perf_counter()
     with open_safetensors(hf_dir) as where:
@@ -150,11 +149,12 @@ def import_hf(hf_dir: Path, save: Path, console=print) -> Path:
         state = {k: torch.empty(fused_shape(mp, m), dtype=dtypes[mp.name], device="meta") for k, mp in by_key.items()}
         params_dtype = {v: k for k, v in DTYPES.items()}[dtypes["tok_embeddings.weight"]]
         meta = import_meta(0, params_dtype, f"huggingface:{hf_dir.resolve()}")
-        final = write_checkpoint(save, state, build, meta, dump_yaml(Config(model=m)))
+        final = write_checkpoint(save, state, build, meta, dump_yaml(Config(model=m, data=data)))
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     seconds = time.perf_counter() - start
     console(f"imported {len(state)} tensors ({nbytes / 1e9:.2f} GB, {params_dtype}) from {hf_dir} into {final} in {seconds:.1f}s")
-    console(f"train from it with: --load {save} {' '.join(model_flags(m))} (and --seq-length up to {m.max_positions})")
+    flags = model_flags(m) + tokenizer_flags(tokenizer)
+    console(f"train from it with: --load {save} {' '.join(flags)} (and --seq-length up to {m.max_positions})")
     return final
 
 
@@ -220,15 +220,6 @@ def _shard(sources: list[_Source], dtype: torch.dtype, max_bytes: int) -> list[l
     return shards
 
 
-def _tokenizer_files(tokenizer: Path) -> list[Path]:
-    if tokenizer.is_file():
-        return [tokenizer]
-    found = [tokenizer / n for n in TOKENIZER_FILES if (tokenizer / n).is_file()]
-    if not found:
-        raise ConvertError(f"--tokenizer {tokenizer} holds none of {', '.join(TOKENIZER_FILES)}")
-    return found
-
-
 def _special_token_ids(files: list[Path]) -> dict:
     """bos/eos/pad ids for config.json from a generation_config.json among the tokenizer files."""
     gen = next((f for f in files if f.name == "generation_config.json"), None)
@@ -264,7 +255,7 @@ def export_hf(
     md = io.read_dcp_metadata(ckpt)
     io.check_files(ckpt, md)
     sources, out_dtype = _sources(ckpt, md, m, dtype)
-    token_files = _tokenizer_files(Path(tokenizer)) if tokenizer else []
+    token_files = export_tokenizer_files(load, ckpt, Path(tokenizer) if tokenizer else None)
     config = hf_config_from_model(m, out_dtype, _special_token_ids(token_files))
     if output.exists() and any(output.iterdir()):
         raise ConvertError(f"--output {output} exists and is not empty; remove it or pick a new directory")
@@ -328,7 +319,11 @@ def export_main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--dtype", choices=list(DTYPES), help="Tensor dtype (default: the parameters'; fp32 uses master weights)."
     )
-    parser.add_argument("--tokenizer", type=Path, help="Directory of Hugging Face tokenizer files (or one file) to copy.")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="Directory of Hugging Face tokenizer files (or one file) to copy (default: the checkpoint's).",
+    )
     parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors shard (default 5GB, like save_pretrained).")
     args = parser.parse_args(argv)
     try:

@@ -55,7 +55,7 @@ from tricorn.checkpoint.interop.megatron_mapping import (
 )
 from tricorn.checkpoint.interop.megatron_pickle import namespace_dict, safe_load
 from tricorn.config import Config, ModelConfig, TrainingConfig, dump_yaml
-from tricorn.training.lr_schedule import schedule_from_megatron
+from tricorn.lr_schedule import schedule_from_megatron
 
 COMMON_KEY = "common_state/shard_0_1"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -363,7 +363,7 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
         else:
             progress[io.OPTIMIZER_STATE] = False
         # Megatron's scheduler state travels with its optimizer state: without it the schedule starts again, as
-        # Megatron's --no-load-optim does (training/lr_schedule.py).
+        # Megatron's --no-load-optim does (lr_schedule.py).
         scheduler = ck.common.get("opt_param_scheduler")
         with_schedule = with_optim and isinstance(scheduler, dict)
         progress[io.SCHEDULER_STATE] = schedule_from_megatron(ck.args, scheduler).state_dict() if with_schedule else None

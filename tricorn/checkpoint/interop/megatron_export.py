@@ -29,10 +29,10 @@ from tricorn.checkpoint.interop.hf_mapping import ConvertError
 from tricorn.checkpoint.interop.megatron import COMMON_KEY, local_group
 from tricorn.checkpoint.interop.megatron_mapping import Entry, split_tp, tensor_map, to_megatron, tricorn_shape
 from tricorn.config import ModelConfig
-from tricorn.training.lr_schedule import SCHEDULE_ARGS
+from tricorn.lr_schedule import SCHEDULE_ARGS
 
 # tricorn config fields that are Megatron args of the same name and meaning, carried into an export's args (the lr
-# schedule's all: training/lr_schedule.py SCHEDULE_ARGS).
+# schedule's all: lr_schedule.py SCHEDULE_ARGS).
 CARRIED = {
     "training": tuple(dict.fromkeys((
         "micro_batch_size", "global_batch_size", "train_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",

@@ -106,8 +106,8 @@ def unsupported_args(args: dict) -> list[str]:
 def training_fields(args: dict, scheduler: dict) -> dict[str, Any]:
     """TrainingConfig fields of the run: its batch, optimizer and precision args, and its lr schedule's args as
     Megatron had them (the same names), so that the flags rebuild the schedule of the saved scheduler state
-    (training/lr_schedule.py; a resume checks that they agree). The peak and floor come from that state."""
-    from tricorn.training.lr_schedule import SCHEDULE_ARGS
+    (lr_schedule.py; a resume checks that they agree). The peak and floor come from that state."""
+    from tricorn.lr_schedule import SCHEDULE_ARGS
 
     out: dict[str, Any] = {
         "micro_batch_size": int(args.get("micro_batch_size") or 1),

@@ -71,11 +71,13 @@ from tricorn.parallel.pipeline.schedules import (
     prev_stage,
     schedule_for,
     sends_done_by,
+    virtual_stage,
 )
 from tricorn.parallel.pipeline.stages import layout_from_config
 from tricorn.parallel.state import world_timeout
 from tricorn.parallel.step import StepContext, new_global_batch, set_moe_aux_weight
 from tricorn.parallel.wgrad import WeightGradStore
+from tricorn.profiling import span
 from tricorn.timers import PIPELINE_P2P_WAIT
 
 Key = tuple[int, int]  # (microbatch, chunk)
@@ -164,17 +166,27 @@ class PipelineExecutor:
             ahead = _next_communication(steps)
             for i, step in enumerate(steps):
                 head = step[0]
-                if head.kind is FORWARD:
-                    self._forward(chunks[head.chunk], head, run)
-                elif head.kind is BACKWARD:
-                    self._backward(head, run, is_last=not split and last_backward[head.chunk] == head)
-                elif head.kind is WEIGHT:
-                    self._weight(head, run, is_last=last_backward[head.chunk] == head)
-                else:
-                    self._communicate(step, run, ahead[i])
+                with span(self._range_name, step):  # "F stage1 mb0", "p2p SF0,RB1" in a profile window
+                    if head.kind is FORWARD:
+                        self._forward(chunks[head.chunk], head, run)
+                    elif head.kind is BACKWARD:
+                        self._backward(head, run, is_last=not split and last_backward[head.chunk] == head)
+                    elif head.kind is WEIGHT:
+                        self._weight(head, run, is_last=last_backward[head.chunk] == head)
+                    else:
+                        self._communicate(step, run, ahead[i])
                 self.order.extend(step)
             self.p2p.complete_sends()
         return run.total
+
+    def _range_name(self, step: tuple[Action, ...]) -> str:
+        """A step's name in the profiler's trace: a compute action with its virtual stage, or the batched messages."""
+        head = step[0]
+        if head.kind.is_compute:
+            return (
+                f"{head.kind.value} stage{virtual_stage(self.pp_rank, head.chunk, self.pp, self.placement)} mb{head.microbatch}"
+            )
+        return "p2p " + ",".join(str(a) for a in step)
 
     # ------------------------------------------------------------ compute
 
