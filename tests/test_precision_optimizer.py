@@ -22,7 +22,7 @@ import torch
 from badinput import assert_refused
 from harness import BASE_FLAGS, FP32_RTOL, assert_close, reference, run_layout, run_script, with_flag
 
-from tricorn.config import config_from_args
+from tricorn.config_args import config_from_args
 from tricorn.model.init import SHARD_ATTR, ShardInfo
 from tricorn.parallel.precision import (
     from_storage,
