@@ -234,7 +234,7 @@ def test_cuda_path_copies_on_the_side_stream_without_host_waits():
 
 # ---------------------------------------------------------------- the trainer
 
-ITERS = 4
+ITERS = 3
 FLAGS = with_flag(with_flag(BASE_FLAGS, "--global-batch-size", "8"), "--train-iters", str(ITERS)) + ["--num-layers", "4"]
 
 

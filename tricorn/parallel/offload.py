@@ -57,7 +57,7 @@ from tricorn import pinned
 OBSERVERS: list[Callable[[torch.Tensor], Any]] = []
 
 
-# ---------------------------------------------------------------- validation and the plan
+# ---------------------------------------------------------------- validation
 
 
 def offloaded_layers(m: Any) -> int:
