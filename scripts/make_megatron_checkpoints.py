@@ -41,7 +41,7 @@ SEQ = 16
 TOKENS_SEED = 7
 
 COMMON = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", str(SEQ), "--max-position-embeddings", "32",
     "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "10",
     "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
@@ -59,12 +59,14 @@ LLAMA = [
     "--position-embedding-type", "rope", "--rotary-base", "10000", "--untie-embeddings-and-output-weights",
     "--group-query-attention", "--num-query-groups", "2", "--norm-epsilon", "1e-5",
 ]  # fmt: skip
-GPT = ["--normalization", "LayerNorm", "--ffn-hidden-size", "128", "--position-embedding-type", "learned_absolute"]
+GPT = ["--normalization", "LayerNorm", "--ffn-hidden-size", "64", "--position-embedding-type", "learned_absolute"]
 DISTOPT = ["--use-distributed-optimizer"]
 FULLY = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
 
 # name -> (world size, megatron flags). Together: Llama-like and GPT-like, TP1 and TP2, torch_dist and
-# legacy torch, the FP32 optimizer and the distributed optimizer (fully_reshardable and dp_reshardable).
+# legacy torch, the FP32 optimizer and the distributed optimizer (fully_reshardable and dp_reshardable). Every
+# other flag is Megatron's default (--rerun-mode validate_results included). (Pipeline-parallel training runs
+# in scripts/make_megatron_parity.py, through pretrain_gpt.py.)
 CASES: dict[str, tuple[int, list[str]]] = {
     "llama_tp1_dist": (1, LLAMA + ["--ckpt-format", "torch_dist"]),
     "llama_tp2_dist_fully": (2, LLAMA + FULLY + ["--ckpt-format", "torch_dist", "--tensor-model-parallel-size", "2"]),
@@ -156,6 +158,36 @@ def causal_mask():
     return torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)  # True = masked
 
 
+def _init_rerun_state_machine(args) -> None:
+    """As megatron.training.initialize does: the rerun state machine in --rerun-mode (validate_results by default),
+    whose state a torch_dist save stores in its common state."""
+    from megatron.core import tensor_parallel
+    from megatron.core.rerun_state_machine import (
+        RerunDiagnostic,
+        RerunErrorInjector,
+        RerunMode,
+        initialize_rerun_state_machine,
+    )
+
+    def state_save_func():
+        return {"rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+    def state_restore_func(state_dict):
+        if state_dict["rng_tracker_states"]:
+            tensor_parallel.get_cuda_rng_tracker().set_states(state_dict["rng_tracker_states"])
+
+    initialize_rerun_state_machine(
+        state_save_func=state_save_func,
+        state_restore_func=state_restore_func,
+        mode=RerunMode(args.rerun_mode),
+        error_injector=RerunErrorInjector(
+            error_injection_rate=args.error_injection_rate,
+            error_injection_type=RerunDiagnostic(args.error_injection_type),
+        ),
+        result_rejected_tracker_filename=args.result_rejected_tracker_filename,
+    )
+
+
 def build(argv: list[str]):
     """Megatron's args, GPTModel (DDP-wrapped), optimizer and scheduler, as pretrain_gpt.py builds them."""
     import torch
@@ -171,6 +203,7 @@ def build(argv: list[str]):
     args = parse_args()
     validate_args(args)
     set_global_variables(args, build_tokenizer=True)
+    _init_rerun_state_machine(args)
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
@@ -210,32 +243,40 @@ def logits(model, tokens) -> np.ndarray:
 
 
 def train_one_iteration(args, model, optimizer, scheduler) -> None:
+    """One iteration on fixed_tokens as Megatron's train_step runs it: forward-backward and the DP gradient sync
+    inside the rerun state machine's loop (whose --rerun-mode validate_results checks the gradients there)."""
     import torch
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     ids = torch.from_numpy(fixed_tokens())
     labels = torch.roll(ids, -1, dims=1)
     pos = torch.arange(SEQ).expand_as(ids)
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    loss = model[0](ids, pos, causal_mask(), labels=labels).float().mean()
-    loss.backward()
-    for chunk in model:
-        chunk.finish_grad_sync()
+    rerun = get_rerun_state_machine()
+    while rerun.should_run_forward_backward(None):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = model[0](ids, pos, causal_mask(), labels=labels).float().mean()
+        loss.backward()
+        for chunk in model:
+            chunk.finish_grad_sync()
+    rerun.should_checkpoint_and_exit()
     ok, _, _ = optimizer.step()
     assert ok, "megatron skipped the step"
     scheduler.step(increment=args.global_batch_size)
     args.consumed_train_samples = args.global_batch_size
 
 
-def _worker(rank: int, world: int, name: str, argv: list[str], out: str, port: int, check: str) -> None:
+def _worker(rank: int, world: int, name: str, argv: list[str], out: str, port: int, check: str, imported: str = "") -> None:
     import torch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_RANK=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1")
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     with cpu_patches():
-        if check:
+        if imported:
+            _check_import(argv, Path(out), Path(check), Path(imported))
+        elif check:
             _check_export(name, argv, Path(out), Path(check))
         elif name in RESAVED:
             _resave_case(name, argv, Path(out))
@@ -299,6 +340,108 @@ def _check_export(name: str, argv: list[str], ref_dir: Path, exported: Path) -> 
     assert err <= 1e-5 * float(np.abs(ref["logits"]).max()), err
 
 
+def _megatron_state(optimizer, p) -> dict:
+    """Megatron's fp32 master and Adam moments of model parameter p (its TP piece), every DP shard gathered."""
+    import torch
+    from megatron.core import parallel_state
+
+    inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+    if not hasattr(inner, "_get_main_param_and_optimizer_states"):  # the FP32 optimizer: torch's state of p itself
+        state = inner.optimizer.state[p]
+        return {"param": p.detach().float(), "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+    full = {f: torch.zeros(p.numel(), dtype=torch.float32) for f in ("param", "exp_avg", "exp_avg_sq")}
+    try:  # the part of p this DP rank owns, if any
+        owned = inner._get_model_param_range_map(p)["param"]
+        tensors = inner._get_main_param_and_optimizer_states(p)
+        for f, t in full.items():
+            t[owned.start : owned.end] = tensors[f].detach().view(-1)
+    except KeyError:
+        pass
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    for t in full.values():  # each element is owned by one rank: x + 0 = x, exactly
+        torch.distributed.all_reduce(t, group=group)
+    return {f: t.view(p.shape) for f, t in full.items()}
+
+
+def _check_import(argv: list[str], workdir: Path, source: Path, imported: Path) -> None:
+    """Megatron's own load_checkpoint of `source` at its saved layout against tricorn's import of it: every
+    parameter's fp32 master and Adam moments, TP piece by TP piece, bit for bit; the step too; and the
+    parameters' registration order tricorn's distributed-optimizer import derives (megatron_distopt.stage_params)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.training.checkpointing import load_checkpoint
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tricorn: its mapping and its checkpoint reader
+    from tricorn.checkpoint.interop.megatron import read_megatron
+    from tricorn.checkpoint.interop.megatron_distopt import stage_params
+    from tricorn.checkpoint.interop.megatron_mapping import model_config_from_args, split_tp, tensor_map, to_megatron
+    from tricorn.checkpoint.io import find_checkpoint, read_meta, read_tensors
+
+    os.chdir(workdir)  # the recorded argv's relative paths
+    args, model, optimizer, scheduler = build(argv + ["--no-load-rng"])
+    # Megatron's load_checkpoint, as a resume runs it. Without Apex or Transformer Engine (a CPU box) the distributed
+    # optimizer's state_dict asserts a step that a fresh optimizer has not taken yet: Megatron's own dummy state
+    # first (every value is then overwritten by the load).
+    inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+    if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
+        inner._init_optimizer_states_with_dummy_values()
+        # Its loaders copy every key of a parameter's state, and torch's Adam keeps a per-parameter `step` that the
+        # saved buffers do not hold (Apex's and TE's fused Adam keep it in the param groups): left to the param groups.
+        cls = type(inner)
+        setter = cls._set_main_param_and_optimizer_states
+        cls._set_main_param_and_optimizer_states = lambda self, p, tensors: setter(self, p, {"step": None, **tensors})
+    args.load = str(source)
+    with torch.no_grad():  # the load copies into the fp32 parameters' views
+        load_checkpoint(model, optimizer, scheduler, strict=True)
+    saved = read_megatron(source).args
+    m = model_config_from_args(saved, str(source))
+    tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    expected = stage_params(saved, m, tensor_map(m), pp, str(source))
+    named = [(n, p) for n, p in model[0].module.named_parameters() if p.requires_grad]
+    assert [n for n, _ in named] == [q.name for q in expected], ([n for n, _ in named], [q.name for q in expected])
+    ckpt, _ = find_checkpoint(imported, None)
+    ours, meta = read_tensors(ckpt), read_meta(ckpt)
+    compared = 0
+    for (name, p), q in zip(named, expected):
+        theirs = _megatron_state(optimizer, p)
+        if q.entry is None:  # the last stage's copy of tied embeddings: the first stage's state is imported
+            continue
+        e = q.entry
+        master = ours[f"model.{e.name}"] if f"optim.{e.name}.master" not in ours else ours[f"optim.{e.name}.master"]
+        for field, t in (
+            ("param", master),
+            ("exp_avg", ours[f"optim.{e.name}.exp_avg"]),
+            ("exp_avg_sq", ours[f"optim.{e.name}.exp_avg_sq"]),
+        ):
+            piece = split_tp(e, to_megatron(e.kind, t.float()), args.tensor_model_parallel_size)[tp]
+            assert torch.equal(piece, theirs[field]), (name, field, float((piece - theirs[field]).abs().max()))
+            compared += 1
+    steps = [g.get("step") for g in inner.optimizer.param_groups] + [st.get("step") for st in inner.optimizer.state.values()]
+    step = next((float(x) for x in steps if x is not None), None)  # param groups (Apex/TE, torch_dist) or torch's state
+    assert step is None or step == float(meta["optimizer_step"]), (step, meta["optimizer_step"])
+    total = torch.tensor(compared if parallel_state.get_data_parallel_rank() == 0 else 0)  # DP replicas compare the same
+    torch.distributed.all_reduce(total)
+    if torch.distributed.get_rank() == 0:
+        print(
+            f"check-import: megatron-core {MEGATRON_CORE_VERSION}'s load_checkpoint of {source} (TP {args.tensor_model_parallel_size} "
+            f"PP {args.pipeline_model_parallel_size} DP {args.data_parallel_size}): {int(total)} masters and moments equal "
+            f"tricorn's import {ckpt}, bit for bit; step "
+            + (f"{step:g} equal" if step is not None else "not held by Megatron after this load")
+        )
+
+
+def _recorded_argv(source: Path) -> tuple[list[str], Path, int]:
+    """The Megatron argv a fixture was made with, the directory its relative paths start from, and its world size."""
+    for where in (source, source.parent):
+        for name in ("megatron_flags.json", "run.json"):
+            if (where / name).is_file():
+                rec = json.loads((where / name).read_text())
+                world = rec.get("world_size") or (CASES[where.name][0] if where.name in CASES else RESAVED[where.name][1])
+                # a parity run's relative paths (corpus, tokenizer) name files of the directory above its case
+                return [a for a in rec["argv"] if a], where.parent if name == "run.json" else where, int(world)
+    raise SystemExit(f"{source}: no megatron_flags.json or run.json beside it: which Megatron flags made it?")
+
+
 def _launch(name: str, out: Path, check: str = "", source: Path = Path()) -> None:
     import socket
 
@@ -319,10 +462,26 @@ def main() -> int:
     parser.add_argument("--cases", nargs="+", default=[*CASES, *RESAVED], choices=[*CASES, *RESAVED])
     parser.add_argument("--check-export", type=Path, help="a tricorn-exported Megatron checkpoint to load in megatron")
     parser.add_argument("--case", choices=list(CASES), help="with --check-export: the case whose model and logits to use")
+    parser.add_argument(
+        "--check-import", type=Path, metavar="IMPORTED", help="a tricorn import (import-megatron OUT) of --source to check"
+    )
+    parser.add_argument("--source", type=Path, help="with --check-import: the Megatron checkpoint (a fixture) it imported")
     args = parser.parse_args()
     import megatron.core
 
     assert megatron.core.__version__ == MEGATRON_CORE_VERSION, megatron.core.__version__
+    if args.check_import:
+        import socket
+
+        import torch.multiprocessing as mp
+
+        argv, workdir, world = _recorded_argv(args.source.resolve())
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        spec = (world, "", argv, str(workdir), port, str(args.source.resolve()), str(args.check_import.resolve()))
+        mp.start_processes(_worker, args=spec, nprocs=world, start_method="spawn")
+        return 0
     if args.check_export:
         _launch(args.case, args.output / args.case, str(args.check_export.resolve()))
         return 0

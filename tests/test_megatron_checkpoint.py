@@ -28,9 +28,10 @@ from tricorn.cli import main as cli
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_ckpt"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
-# Optimizer state tricorn maps to parameters: torch_dist's FP32 optimizer and fully_reshardable distributed
-# optimizer (stored per parameter), the legacy FP32 optimizer (indexed in Megatron's parameter order).
-WITH_OPTIM = ("llama_tp1_dist", "llama_tp2_dist_fully", "gpt_tp1_torch")
+# Every fixture saved with its optimizer state: torch_dist's FP32 optimizer and fully_reshardable distributed
+# optimizer (stored per parameter), dp_reshardable and legacy distrib_optim.pt (the distributed optimizer's
+# buffers), the legacy FP32 optimizer (indexed in Megatron's parameter order). llama_pp2_torch is model only.
+WITH_OPTIM = ("llama_tp1_dist", "llama_tp2_dist_fully", "gpt_tp1_torch", "gpt_tp2_dist_dpresh", "llama_tp2_torch_distopt")
 # The issue's bound for fp32 logits, relative to the largest logit: megatron and tricorn run the same math
 # through different kernels (baddbmm softmax vs SDPA, its fused vs our layouts of the same GEMMs).
 LOGITS_RTOL = 1e-5
@@ -134,6 +135,18 @@ def test_legacy_fp32_optimizer_state_follows_megatrons_parameter_order(tmp_path)
     assert torch.equal(ours["optim.norm.bias.exp_avg"], state[27]["exp_avg"])  # the last parameter
 
 
+def test_distributed_optimizer_buffers_import_as_the_per_parameter_state(tmp_path):
+    """The same Llama run at TP2, saved by Megatron as legacy distrib_optim.pt buffers and as torch_dist
+    fully_reshardable per-parameter state, imports to the same tensors bit for bit (masters, moments, step)."""
+    buffers = sorted(imported(tmp_path, "llama_tp2_torch_distopt").glob("iter_*"))[0]
+    per_param = sorted(imported(tmp_path, "llama_tp2_dist_fully").glob("iter_*"))[0]
+    ours, theirs = read_tensors(buffers), read_tensors(per_param)
+    assert ours.keys() == theirs.keys() and any(k.endswith(".exp_avg_sq") for k in ours)
+    for key, value in ours.items():
+        assert torch.equal(value, theirs[key]), key
+    assert read_meta(buffers)["optimizer_step"] == read_meta(per_param)["optimizer_step"] == 1.0
+
+
 def _one_line_error(capsys, argv: list[str]) -> str:
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -187,6 +200,8 @@ def test_bf16_weights_keep_their_dtype(tmp_path):
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
+    from tricorn.checkpoint.interop.megatron_pickle import safe_load
+
     def imp(src: Path, *flags: str) -> str:
         out = tmp_path / f"out-{src.name}"
         err = _one_line_error(capsys, ["import-megatron", str(src), str(out), *flags])
@@ -225,8 +240,13 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     err = imp(_legacy_variant(tmp_path, "evil", evil), "--no-load-optim")
     assert "refers to print, which tricorn does not load" in err, err  # torch names builtins without their module
     assert "this ran" not in capsys.readouterr().out
-    assert "dp_reshardable" in imp(FIXTURES / "gpt_tp2_dist_dpresh")
-    assert "distrib_optim.pt" in imp(FIXTURES / "llama_tp2_torch_distopt")
+    pre2024 = tmp_path / "pre2024"
+    shutil.copytree(FIXTURES / "llama_tp2_torch_distopt", pre2024)
+    for file in (pre2024 / "iter_0000001").glob("mp_rank_*/distrib_optim.pt"):
+        state = safe_load(file, str(file))
+        del state["buckets_coalesced"]  # Megatron's layout before Feb 2024
+        torch.save(state, file)
+    assert "pre-2024 layout" in imp(pre2024) and "--ckpt-convert-update-legacy-dist-opt-format" in imp(pre2024)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     err = _one_line_error(capsys, ["import-megatron", str(FIXTURES / "gpt_tp1_torch"), str(tmp_path / "full"), "--no-load-optim"])
@@ -266,7 +286,8 @@ def test_without_the_optimizer_state_training_goes_on_from_megatrons_iteration(t
     """Megatron's default distributed-optimizer format (dp_reshardable) imported with --no-load-optim: the weights,
     iteration and data position come along, Adam starts fresh (Megatron's own --no-load-optim), and a run from it
     trains iterations 2-3 after Megatron's iteration 1."""
-    out = imported(tmp_path, "gpt_tp2_dist_dpresh")
+    out = tmp_path / "gpt_tp2_dist_dpresh"
+    import_megatron(FIXTURES / "gpt_tp2_dist_dpresh", out, load_optim=False, **QUIET)
     meta = read_meta(sorted(out.glob("iter_*"))[0])
     assert (meta["iteration"], meta["consumed_train_samples"], meta["optimizer_state"]) == (1, 2, False), meta
     assert not meta["weights_only"] and meta["optimizer_step"] == 0

@@ -294,6 +294,11 @@ class TrainingConfig:
     exp_avg_sq_dtype: str = _f(
         "fp32", "Adam's second moment: fp32, bf16 (nearest) or fp16 (per-parameter scale).", choices=["fp32", "fp16", "bf16"]
     )
+    calculate_per_token_loss: bool = _f(
+        False,
+        "Normalise the loss by the global batch's valid tokens (default: each microbatch by its own, averaged over "
+        "the microbatches, as Megatron).",
+    )
     seed: int = _f(1234, "Seed of initialisation, data order and dropout.", bound=Bound(lo=0, hi=2**32 - 1))
     bf16: bool = _f(False, "bf16 parameters and compute, fp32 master weights.")
     fp16: bool = _f(False, "fp16 parameters and compute with dynamic loss scaling.")

@@ -289,7 +289,7 @@ REFUSED: dict[str, tuple[str, ...]] = {
         """
     ),
     INIT: _names("init_method_xavier_uniform embedding_init_method_std data_parallel_random_init"),
-    LOSS: _names("calculate_per_token_loss fp16_lm_cross_entropy eod_mask_loss logits_load_dir perform_rl_step"),
+    LOSS: _names("fp16_lm_cross_entropy eod_mask_loss logits_load_dir perform_rl_step"),
     DATA: _names(
         """
         reset_position_ids reset_attention_mask dataloader_inter_document_masking
@@ -383,7 +383,6 @@ WHY: dict[str, str] = {
     "save_retain_interval": "tricorn prunes with --keep-last-n-checkpoints and keeps no checkpoint apart from it",
     "override_ckpt_iteration": "changes the data position; tricorn resumes at the checkpoint's (--ckpt-step picks one)",
     "optimizer_offload_fraction": "tricorn's --optimizer-cpu-offload offloads all of the optimizer state",
-    "calculate_per_token_loss": "changes the loss normalisation: tricorn divides by the valid tokens of the whole global batch",
 }
 
 # ---------------------------------------------------------------- the value each refused flag may have
@@ -425,9 +424,6 @@ FINE: dict[str, Fine] = {
     "kv_channels": _head_dim,  # hidden / heads: tricorn's head dimension
     # Megatron gives QKV a bias whenever the linear layers have one (its saved args say add_qkv_bias then)
     "add_qkv_bias": lambda value, ctx: not value or ctx.get("add_bias_linear", not ctx.get("disable_bias_linear")),
-    # tricorn divides the loss by the valid tokens of the whole global batch: Megatron's per-token loss. Its
-    # default (each microbatch's mean, averaged) is the same number while every token counts.
-    "calculate_per_token_loss": lambda value, ctx: bool(value) or not ctx.get("eod_mask_loss"),
     "padded_vocab_size": lambda value, ctx: value is None or ctx.get("vocab_size") is None or value == _padded(ctx),
     "encoder_num_layers": _same("num_layers"),
     "encoder_seq_length": _same("seq_length"),
@@ -447,7 +443,6 @@ FINE: dict[str, Fine] = {
 FINE_TEXT: dict[str, str] = {
     "add_qkv_bias": "given without `--disable-bias-linear` (the QKV bias the linear layers have anyway)",
     "kv_channels": "hidden size / heads",
-    "calculate_per_token_loss": "given; not given while every token counts (no --eod-mask-loss)",
     "padded_vocab_size": "tricorn's padding of --vocab-size",
     "encoder_num_layers": "`--num-layers`",
     "encoder_seq_length": "`--seq-length`",

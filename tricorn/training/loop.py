@@ -35,7 +35,7 @@ from tricorn.parallel.batch_schedule import MicrobatchCalculator
 from tricorn.parallel.context import slice_batch
 from tricorn.parallel.expert import MoEMonitor
 from tricorn.parallel.state import ParallelState
-from tricorn.parallel.step import StepContext, forward_backward_no_pipelining
+from tricorn.parallel.step import StepContext, forward_backward_no_pipelining, microbatch_denominators
 from tricorn.profiling import Profiler
 from tricorn.timers import (
     CHECKPOINT_STALL,
@@ -120,12 +120,19 @@ class Trainer:
     def _cp_slice(self, mb: Batch) -> Batch:
         return slice_batch(mb, self.state.cp_rank, self.state.cp_size)
 
-    def _global_tokens(self, microbatches: list[Batch]) -> torch.Tensor:
-        """Valid tokens of the global batch, counted on the device from the microbatches already copied there
-        (the batch's own mask is in host memory: a host count would be a blocking copy on CUDA)."""
-        tokens = torch.stack([mb.loss_mask.sum(dtype=torch.float32) for mb in microbatches]).sum()
+    def _step_context(self, microbatches: list[Batch], forward_only: bool = False) -> StepContext:
+        """The loss normalisation of a global batch (parallel/step.py): valid tokens counted on the device from the
+        microbatches already copied there (the batch's own mask is in host memory: a host count would be a blocking
+        copy on CUDA), per microbatch and over the global batch (one all-reduce)."""
+        counts = torch.stack([mb.loss_mask.sum(dtype=torch.float32) for mb in microbatches])
+        tokens = counts.sum()
         dist.all_reduce(tokens, group=self.state.dp_group)
-        return tokens
+        per_microbatch = not (forward_only or self.cfg.training.calculate_per_token_loss)
+        denominators = microbatch_denominators(counts, self.state.dp_size) if per_microbatch else None
+        ctx = StepContext(self.optimizer, tokens, denominators, forward_only, prepare=self._cp_slice)
+        if not forward_only:
+            ctx.timers = self.timers
+        return ctx
 
     def _reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
         """Sum over DP x CP (each holds part of the global batch) and PP (only the last stage has it)."""
@@ -141,7 +148,7 @@ class Trainer:
             chunk.train()
         self.optimizer.zero_grad()
         microbatches = self._microbatches(batch, num_microbatches)
-        ctx = StepContext(self.optimizer, self._global_tokens(microbatches), prepare=self._cp_slice, timers=self.timers)
+        ctx = self._step_context(microbatches)
         with self.timers(FORWARD_BACKWARD), self._own_work():
             local_loss = self.forward_backward(self.chunks, microbatches, ctx)
         with self.timers(GRADS_REDUCE_WAIT):
@@ -179,7 +186,7 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float32, device=self.state.device)
         for _ in range(self.cfg.data.eval_iters):
             microbatches = self._microbatches(self.valid_loader.next(gbs), nmb)
-            ctx = StepContext(self.optimizer, self._global_tokens(microbatches), forward_only=True, prepare=self._cp_slice)
+            ctx = self._step_context(microbatches, forward_only=True)
             total += self._reduce_loss(self.forward_backward(self.chunks, microbatches, ctx))
         self.optimizer.release_gathered()  # ZeRO-3: a unit kept for its (absent) backward is freed
         self.logger.observe_evaluation(time.perf_counter() - start)  # the ETA counts the remaining evaluations

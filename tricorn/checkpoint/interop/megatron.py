@@ -3,19 +3,20 @@
 import-megatron reads a Megatron-LM GPTModel checkpoint, torch_dist (`iter_N/.metadata`, `__*_*.distcp`,
 `metadata.json`) or legacy torch (`iter_N/mp_rank_XX[_YYY]/model_optim_rng.pt`), the format detected from
 the files, at any saved TP/PP/DP, and writes a tricorn checkpoint `OUT/iter_N` that `--load` resumes on
-any tricorn layout: the model, the iteration, the consumed samples, the lr schedule and, where Megatron
-stored it per parameter (the FP32 optimizer's or the distributed optimizer's `fully_reshardable` torch_dist
-state; the legacy format's FP32 optimizer, whose state is indexed by Megatron's parameter order, derived
-and checked in megatron_mapping.legacy_optimizer_order), the Adam moments. Optimizer state tricorn cannot
-map to parameters exactly (`dp_reshardable` buckets, the legacy distributed optimizer's `distrib_optim.pt`)
-is refused in one line unless --no-load-optim, which leaves the optimizer state out (training then goes on
-from Megatron's iteration and data position with fresh Adam moments, as Megatron's own --no-load-optim does).
-`OUT/megatron.yaml` holds the run's model and training flags, and on its first line the Megatron args
-tricorn does not reproduce.
+any tricorn layout: the model, the iteration, the consumed samples, Megatron's lr scheduler state and the Adam
+moments and fp32 masters in every format Megatron writes: stored per parameter (the FP32 optimizer's or the
+distributed optimizer's `fully_reshardable` torch_dist state; the legacy FP32 optimizer's, indexed by
+Megatron's parameter order, derived and checked in megatron_mapping.legacy_optimizer_order) or in the
+distributed optimizer's flat buffers (`dp_reshardable`, Megatron's default, and the legacy `distrib_optim.pt`;
+their layout derived and checked in megatron_distopt.py). --no-load-optim is Megatron's: the optimizer and
+scheduler state are left out (training goes on from Megatron's iteration and data position with fresh Adam
+moments and the schedule from sample 0). `OUT/megatron.yaml` holds the run's model, training, data and
+evaluation flags, and on its first line the Megatron args tricorn does not reproduce (megatron_flags.py).
 
 Reading is safe (megatron_pickle.py); mapping is exact (megatron_mapping.py). Memory: one tensor at a time
-for torch_dist (one layer of a stacked tensor is read, through a one-process gloo group's ShardedTensor);
-the legacy format reads its per-rank files whole. No collectives beyond that local group.
+for torch_dist (one layer of a stacked tensor, or one parameter's slice of a large optimizer bucket, is read
+through a one-process gloo group's ShardedTensor; small buckets whole, up to BUCKET_CACHE_BYTES); the legacy
+format reads its per-rank files whole. No collectives beyond that local group.
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ from tricorn.checkpoint.interop.convert import (
     write_checkpoint,
 )
 from tricorn.checkpoint.interop.hf_mapping import ConvertError, model_flags
+from tricorn.checkpoint.interop.megatron_distopt import DistOptState, bucket_key, bucket_lengths, legacy_buffer
 from tricorn.checkpoint.interop.megatron_mapping import (
     Entry,
     legacy_optimizer_order,
     merge_tp,
     model_config_from_args,
+    run_fields,
     tensor_map,
     to_tricorn,
     training_fields,
@@ -59,6 +62,9 @@ from tricorn.lr_schedule import schedule_from_megatron
 
 COMMON_KEY = "common_state/shard_0_1"
 MOMENTS = ("exp_avg", "exp_avg_sq")
+DISTOPT_KINDS = ("dp_reshardable", "distrib_optim")
+DISTRIB_OPTIM = "distrib_optim.pt"
+BUCKET_CACHE_BYTES = 256 * 2**20  # dp_reshardable buckets up to this are read whole and kept (memory: at most this)
 RUN_CONFIG = "megatron.yaml"
 
 
@@ -88,6 +94,8 @@ class MegatronCheckpoint:
     md: Any = None  # torch_dist: DCP metadata
     ranks: dict = field(default_factory=dict)  # legacy: (tp, pp) -> state dict of model_optim_rng.pt
     _order: Optional[dict] = None  # legacy FP32 optimizer: (tp, pp) -> model key -> optimizer state index
+    _distopt: Optional[DistOptState] = None  # the distributed optimizer's buffers (dp_reshardable, distrib_optim.pt)
+    _distrib_optim: dict = field(default_factory=dict)  # legacy: (tp, pp) -> distrib_optim.pt's buffer
 
     @property
     def iteration(self) -> int:
@@ -96,6 +104,8 @@ class MegatronCheckpoint:
     # ------------------------------------------------------------ tensors
 
     def has(self, key: str) -> bool:
+        if key.startswith("optimizer.state.") and self.optimizer_kind() in DISTOPT_KINDS:
+            return key.split(".")[2] in ("param", *MOMENTS)
         if self.fmt == "torch_dist":
             return key in self.md.state_dict_metadata
         if key.startswith("optimizer.state."):  # the legacy FP32 optimizer: moments, never separate masters
@@ -111,6 +121,8 @@ class MegatronCheckpoint:
 
     def tensor(self, e: Entry, key: Optional[str] = None) -> torch.Tensor:
         """Megatron's global tensor of `e` (key: an optimizer-state key of the same layout)."""
+        if key is not None and self.optimizer_kind() in DISTOPT_KINDS:
+            return self.distopt().tensor(e, key.split(".")[2])
         if self.fmt == "torch_dist":
             return self._dist_tensor(key or e.dist, e.layer)
         tp = int(self.args.get("tensor_model_parallel_size", 1))
@@ -135,24 +147,35 @@ class MegatronCheckpoint:
         return e.layer // per_stage, e.layer % per_stage
 
     def _dist_tensor(self, key: str, layer: Optional[int]) -> torch.Tensor:
-        from tricorn.checkpoint.pieces import Piece, owned_tensor
-
         entry = self.md.state_dict_metadata[key]
         if layer is None:
             return read_one(self.path, key, tuple(entry.size), entry.properties.dtype)
         shape = tuple(entry.size)
-        flat = torch.empty(int(torch.Size(shape[1:]).numel()), dtype=entry.properties.dtype)
-        piece = Piece(0, flat.numel(), (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))
-        with local_group(), warnings.catch_warnings():  # ShardedTensor's deprecation: DCP reads one layer all the same
+        return self._dist_region(key, (layer,) + (0,) * (len(shape) - 1), (1, *shape[1:])).view(shape[1:])
+
+    def _dist_region(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The rectangle `sizes` at `offsets` of torch_dist tensor `key`, read alone (flat)."""
+        from tricorn.checkpoint.pieces import Piece, owned_tensor
+
+        entry = self.md.state_dict_metadata[key]
+        flat = torch.empty(int(torch.Size(sizes).numel()), dtype=entry.properties.dtype)
+        piece = Piece(0, flat.numel(), tuple(offsets), tuple(sizes))
+        with local_group(), warnings.catch_warnings():  # ShardedTensor's deprecation: DCP reads one piece all the same
             warnings.simplefilter("ignore", FutureWarning)
-            io.dcp_load({key: owned_tensor(flat, shape, [piece])}, self.path, no_dist=True)
-        return flat.view(shape[1:])
+            io.dcp_load({key: owned_tensor(flat, tuple(entry.size), [piece])}, self.path, no_dist=True)
+        return flat
+
+    def read_object(self, key: str) -> Any:
+        return _dist_object(self.path, self.md, key)
 
     # ------------------------------------------------------------ optimizer state
 
     def optimizer_kind(self) -> Optional[str]:
-        """'per_param' (moments stored under each parameter's name), or why the state cannot be imported."""
+        """'per_param' (moments stored under each parameter's name), 'dp_reshardable' or 'distrib_optim' (the
+        distributed optimizer's buffers), 'legacy' (state tricorn cannot map), or None (no optimizer state)."""
         if self.fmt == "torch":
+            if any((self.path / _rank_dir(self.args, t, p) / DISTRIB_OPTIM).is_file() for t, p in self.ranks):
+                return "distrib_optim"
             if not self.ranks[(0, 0)].get("optimizer"):
                 return None
             if self._order is None:
@@ -162,15 +185,65 @@ class MegatronCheckpoint:
                     self._order = {}
             return "per_param" if self._order else "legacy"
         keys = self.md.state_dict_metadata
-        if any(k.startswith("optimizer.distributed.") for k in keys):
+        if any(k.startswith("optimizer.distributed.") and ".bucket_idx_" in k for k in keys):
             return "dp_reshardable"
         if any(k.startswith("optimizer.state.exp_avg.") for k in keys):
             return "per_param"
         return None
 
+    def distopt(self) -> DistOptState:
+        """The distributed optimizer's buffers, their layout derived from the args and checked against the files."""
+        if self._distopt is not None:
+            return self._distopt
+        m = model_config_from_args(self.args, str(self.path))
+        tp = int(self.args.get("tensor_model_parallel_size") or 1)
+        where = str(self.path)
+        if self.fmt == "torch_dist":
+            keys = list(self.md.state_dict_metadata)
+            cache: dict[str, torch.Tensor] = {}
+
+            def lengths(t: int, p: int) -> list[int]:
+                obj = self.read_object(f"optimizer.distributed.dp_group_idx_{t + tp * p}.per_bucket_numel_unpadded/shard_0_1")
+                return bucket_lengths(obj, where)
+
+            def read(t: int, p: int, name: str, bucket: int, start: int, end: int) -> torch.Tensor:
+                key = bucket_key(keys, t + tp * p, bucket, name)
+                if key is None:
+                    raise ConvertError(f"{where}: bucket {bucket}'s {name} of model-parallel rank {t + tp * p} is missing")
+                size = int(self.md.state_dict_metadata[key].size[0])
+                if size * 4 > BUCKET_CACHE_BYTES:  # a large bucket: this parameter's slice alone
+                    return self._dist_region(key, (start,), (end - start,))
+                if key not in cache:  # small buckets are read whole, once (one DCP read costs more than their bytes)
+                    if sum(v.numel() * 4 for v in cache.values()) + size * 4 > BUCKET_CACHE_BYTES:
+                        cache.clear()
+                    cache[key] = self._dist_region(key, (0,), (size,))
+                return cache[key][start:end]
+
+            self._distopt = DistOptState(self.args, m, tensor_map(m), lengths, read, False, where)
+        else:
+
+            def buffer(t: int, p: int) -> dict:
+                if (t, p) not in self._distrib_optim:
+                    file = self.path / _rank_dir(self.args, t, p) / DISTRIB_OPTIM
+                    if not file.is_file():
+                        raise ConvertError(f"{file} is missing; the legacy checkpoint is incomplete")
+                    self._distrib_optim[(t, p)] = legacy_buffer(safe_load(file, str(file)), str(file))
+                return self._distrib_optim[(t, p)]
+
+            def read(t: int, p: int, name: str, bucket: int, start: int, end: int) -> torch.Tensor:
+                return buffer(t, p)[name][start:end]
+
+            self._distopt = DistOptState(
+                self.args, m, tensor_map(m), lambda t, p: [int(buffer(t, p)["numel_unpadded"])], read, True, where
+            )
+        return self._distopt
+
     def _optimizer_common(self) -> dict:
-        """The optimizer's non-tensor state (the distributed optimizer nests torch's under 'optimizer')."""
+        """The optimizer's non-tensor state (the distributed optimizer nests torch's under 'optimizer'; dp_reshardable
+        keeps it, param groups and step, as an object per model-parallel rank)."""
         opt = self.common.get("optimizer") or {}
+        if "param_groups" not in opt and self.fmt == "torch_dist" and self.optimizer_kind() == "dp_reshardable":
+            opt = self.read_object("optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1") or {}
         return opt["optimizer"] if "param_groups" not in opt and isinstance(opt.get("optimizer"), dict) else opt
 
     def optimizer_step(self) -> float:
@@ -209,21 +282,33 @@ def _iteration_dir(src: Path) -> Path:
     return path
 
 
-def _read_dist(path: Path) -> MegatronCheckpoint:
-    md = io.read_dcp_metadata(path)
-    io.check_files(path, md)  # a missing or truncated shard: one line, before anything is read
-    info = md.storage_data.get(next((k for k in md.storage_data if k.fqn == COMMON_KEY), None))
+def _dist_object(path: Path, md: Any, key: str) -> Any:
+    """A pickled torch_dist item (Megatron's common state, a ShardedObject such as NAME/shard_0_1), read safely."""
+    info = md.storage_data.get(next((k for k in md.storage_data if k.fqn == key), None))
     if info is None:
-        raise ConvertError(f"{path}: the torch_dist checkpoint has no {COMMON_KEY} (Megatron's args and iteration)")
+        raise ConvertError(f"{path}: the torch_dist checkpoint has no {key}")
     with open(path / info.relative_path, "rb") as fh:
         fh.seek(info.offset)
         blob = fh.read(info.length)
-    common = safe_load(blob, f"{path}: {COMMON_KEY}")
-    common = common[0] if isinstance(common, list) and len(common) == 1 else common
+    obj = safe_load(blob, f"{path}: {key}")
+    return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj  # torch_dist saves an object as a 1-list
+
+
+def _read_dist(path: Path) -> MegatronCheckpoint:
+    md = io.read_dcp_metadata(path)
+    io.check_files(path, md)  # a missing or truncated shard: one line, before anything is read
+    if not any(k.fqn == COMMON_KEY for k in md.storage_data):
+        raise ConvertError(f"{path}: the torch_dist checkpoint has no {COMMON_KEY} (Megatron's args and iteration)")
+    common = _dist_object(path, md, COMMON_KEY)
     if not isinstance(common, dict) or "args" not in common:
         raise ConvertError(f"{path}: {COMMON_KEY} does not hold Megatron's common state (args, iteration)")
     args = namespace_dict(common["args"], str(path))
     return MegatronCheckpoint(path, "torch_dist", args, common, md=md)
+
+
+def _rank_dir(args: dict, tp: int, pp: int) -> str:
+    """Megatron's legacy directory of TP rank tp and pipeline stage pp."""
+    return f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if int(args.get("pipeline_model_parallel_size") or 1) > 1 else "")
 
 
 def _read_legacy(path: Path) -> MegatronCheckpoint:
@@ -245,8 +330,7 @@ def _read_legacy(path: Path) -> MegatronCheckpoint:
     }
     missing = sorted(want - set(ranks))
     if missing:
-        t, p = missing[0]
-        name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if args.get("pipeline_model_parallel_size", 1) > 1 else "")
+        name = _rank_dir(args, *missing[0])
         raise ConvertError(
             f"{path}: {name} is missing ({len(missing)} rank files in all); the saved args say "
             f"TP {args.get('tensor_model_parallel_size')} PP {args.get('pipeline_model_parallel_size')}"
@@ -308,17 +392,15 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
             _check_legacy(ck, entries, m)
         kind = ck.optimizer_kind()
         with_optim = load_optim and kind is not None
-        if with_optim and kind != "per_param":
-            why = {
-                "dp_reshardable": "is dp_reshardable (flat per-bucket buffers in Megatron's parameter order)",
-                "legacy": "is not the FP32 optimizer's per-parameter state (the distributed optimizer's distrib_optim.pt, "
-                "or mixed precision's fp32 copies, in Megatron's parameter order)",
-            }[kind]
+        if with_optim and kind == "legacy":
             raise ConvertError(
-                f"{ck.path}: the optimizer state {why}, which tricorn cannot map to parameters exactly; "
-                "import without the optimizer state with --no-load-optim, or re-save in Megatron with --ckpt-format torch_dist "
-                "--dist-ckpt-optim-fully-reshardable"
+                f"{ck.path}: the optimizer state is not the FP32 optimizer's per-parameter state (mixed precision's fp32 "
+                "copies, or param groups other than Megatron's default weight-decay grouping), which tricorn cannot map "
+                "to parameters exactly; import without the optimizer state with --no-load-optim, or re-save in Megatron "
+                "with --ckpt-format torch_dist"
             )
+        if with_optim and kind in DISTOPT_KINDS:  # the buffers' layout, checked before anything is written
+            ck.distopt().check_masters(entries, ck.tensor, str(ck.path))
         dtype = torch.bfloat16 if ck.args.get("bf16") else torch.float16 if ck.args.get("fp16") else torch.float32
         by_key: dict[str, tuple[Entry, Optional[str]]] = {}
         for e in entries:
@@ -362,19 +444,17 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
             progress.update(optimizer_step=ck.optimizer_step(), optimizer_iteration=ck.iteration)
         else:
             progress[io.OPTIMIZER_STATE] = False
-        # Megatron's scheduler state travels with its optimizer state: without it the schedule starts again, as
-        # Megatron's --no-load-optim does (lr_schedule.py).
-        scheduler = ck.common.get("opt_param_scheduler")
-        with_schedule = with_optim and isinstance(scheduler, dict)
-        progress[io.SCHEDULER_STATE] = schedule_from_megatron(ck.args, scheduler).state_dict() if with_schedule else None
+        schedule, schedule_note = _schedule(ck, load_optim)
+        progress[io.SCHEDULER_STATE] = schedule
         meta = import_meta(ck.iteration, params_dtype, source, **progress)
         training = TrainingConfig(**training_fields(ck.args, ck.common.get("opt_param_scheduler") or {}))
         cfg = Config(model=m, training=training)
         final = write_checkpoint(out, state, build, meta, dump_yaml(cfg))
+    carried = run_fields(ck.args)
     unsupported = unsupported_args(ck.args)
     note = ", ".join(unsupported) if unsupported else "none"
     header = f"# Megatron args tricorn does not reproduce: {note}\n"
-    io.atomic_write_text(out / RUN_CONFIG, header + _run_yaml(cfg))
+    io.atomic_write_text(out / RUN_CONFIG, header + _run_yaml(cfg, carried))
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     what = "model and optimizer state" if with_optim else "model and progress, no optimizer state"
     console(
@@ -383,24 +463,59 @@ def import_megatron(src: Path, out: Path, load_optim: bool = True, console=print
     )
     if unsupported:
         console(f"Megatron args tricorn does not reproduce (listed in {out / RUN_CONFIG}): {note}")
+    if schedule_note:
+        console(schedule_note)
     console(f"train from it with: --config {out / RUN_CONFIG} --load {out} ({' '.join(model_flags(m))})")
     return final
 
 
-def _run_yaml(cfg: Config) -> str:
-    """The model and training sections of `cfg`, fields that differ from tricorn's defaults only (a --config file)."""
+def _schedule(ck: MegatronCheckpoint, load_optim: bool) -> tuple[Optional[dict], str]:
+    """The imported lr scheduler state (tricorn/lr_schedule.py; None: it starts at sample 0) and what to say about it.
+
+    Megatron keeps its scheduler with its optimizer state and loads them together: with --no-load-optim its
+    schedule starts again at sample 0 (warm-up included) while the iteration goes on, and so does the import's.
+    A checkpoint saved with --no-save-optim holds neither: its schedule is rebuilt from its args at its consumed
+    samples, Megatron's count unless a step was skipped (fp16 overflows, spike skips), as the line says."""
+    scheduler = ck.common.get("opt_param_scheduler")
+    if not load_optim:
+        note = (
+            f"--no-load-optim, as Megatron's: no optimizer or lr scheduler state; a run from it starts the lr schedule "
+            f"again at sample 0 (warm-up included) after iteration {ck.iteration}"
+        )
+        return None, note if isinstance(scheduler, dict) and ck.iteration > 0 else ""
+    if isinstance(scheduler, dict):
+        return schedule_from_megatron(ck.args, scheduler).state_dict(), ""
+    rebuilt = schedule_from_megatron(ck.args, None)
+    assumed = (
+        " (assumed: every optimizer step succeeded; Megatron's count leaves out failed ones, such as fp16 overflows)"
+        if rebuilt.num_steps
+        else ""
+    )
+    note = (
+        f"{ck.path} holds no lr scheduler state (saved with --no-save-optim): the lr schedule is rebuilt from its args "
+        f"at {rebuilt.num_steps} samples, its consumed samples{assumed}"
+    )
+    return rebuilt.state_dict(), note
+
+
+def _run_yaml(cfg: Config, carried: dict[str, dict[str, Any]]) -> str:
+    """A --config file: the model and training sections of `cfg` (fields that differ from tricorn's defaults, and the
+    run's length), then what the run trained on (`carried`: Megatron's data and evaluation args, as they were)."""
     import dataclasses
 
     import yaml
 
-    run = {}
+    run: dict[str, dict[str, Any]] = {}
+    always = ("num_layers", "hidden_size", "train_iters", "global_batch_size")
     for section, default in (("model", ModelConfig()), ("training", TrainingConfig())):
         ours = getattr(cfg, section)
         run[section] = {
             f.name: getattr(ours, f.name)
             for f in dataclasses.fields(ours)
-            if getattr(ours, f.name) != getattr(default, f.name) or f.name in ("num_layers", "hidden_size")
+            if getattr(ours, f.name) != getattr(default, f.name) or f.name in always
         }
+    for section, fields in carried.items():
+        run.setdefault(section, {}).update(fields)
     return yaml.safe_dump(run, sort_keys=False)
 
 

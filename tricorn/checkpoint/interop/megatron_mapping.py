@@ -103,6 +103,35 @@ def unsupported_args(args: dict) -> list[str]:
     return not_reproduced(args)
 
 
+# What the run trains on (Megatron's data and evaluation args), carried into megatron.yaml in the section of
+# tricorn's field of the same name. Those tricorn lacks are listed as not reproduced by unsupported_args when their
+# value changes the math (tricorn/megatron_flags.py: --eod-mask-loss, the reset flags, ...).
+RUN_ARGS = (
+    "mock_data", "data_path", "train_data_path", "valid_data_path", "test_data_path", "split", "tokenizer_type",
+    "tokenizer_model", "legacy_tokenizer", "vocab_file", "merge_file", "null_tokenizer_eod_id", "null_tokenizer_pad_id",
+    "eod_mask_loss", "reset_position_ids", "reset_attention_mask", "eval_iters", "eval_interval",
+)  # fmt: skip
+
+
+def run_fields(args: dict) -> dict[str, dict[str, Any]]:
+    """{section: {field: value}} of the run's data and evaluation args that tricorn has fields for (those set, and
+    not to tricorn's default)."""
+    import dataclasses
+
+    from tricorn.config import Config
+
+    cfg = Config()
+    sections = {name: {f.name for f in dataclasses.fields(getattr(cfg, name))} for name in ("data", "model", "training")}
+    carried: dict[str, dict[str, Any]] = {}
+    for name in RUN_ARGS:
+        value = args.get(name)
+        section = next((s for s, names in sections.items() if name in names), None)
+        if value is None or value is False or section is None or value == getattr(getattr(cfg, section), name):
+            continue
+        carried.setdefault(section, {})[name] = list(value) if isinstance(value, tuple) else value
+    return carried
+
+
 def training_fields(args: dict, scheduler: dict) -> dict[str, Any]:
     """TrainingConfig fields of the run: its batch, optimizer and precision args, and its lr schedule's args as
     Megatron had them (the same names), so that the flags rebuild the schedule of the saved scheduler state
@@ -117,6 +146,7 @@ def training_fields(args: dict, scheduler: dict) -> dict[str, Any]:
         "adam_beta2": float(args.get("adam_beta2", 0.999)),
         "adam_eps": float(args.get("adam_eps", 1e-8)),
         "clip_grad": float(args.get("clip_grad", 1.0)),
+        "calculate_per_token_loss": bool(args.get("calculate_per_token_loss")),
         "seed": int(args.get("seed", 1234)),
         "bf16": bool(args.get("bf16")),
         "fp16": bool(args.get("fp16")),

@@ -4,8 +4,9 @@ Megatron pickles its saved arguments (an argparse.Namespace holding a few of its
 iteration, the scheduler and the optimizer's plain state next to tensors. Everything is read with
 torch.load(weights_only=True), torch's restricted unpickler, widened by exactly this allow-list:
   - argparse.Namespace (its attributes are set as plain data, no constructor runs);
-  - the Megatron enums named in MEGATRON_ENUMS and signal.Signals, each replaced by a stand-in that
-    turns the pickled value into a string such as "AttnBackend.auto" (megatron is never imported);
+  - the Megatron enums named in MEGATRON_ENUMS (those of its args and of its rerun state machine's state,
+    which a default save stores) and signal.Signals, each replaced by a stand-in that turns the pickled value
+    into a string such as "AttnBackend.auto" or "RerunMode.VALIDATE_RESULTS" (megatron is never imported);
   - numpy's array reconstruction (the legacy format's RNG states), data only.
 Plain containers, numbers, strings, torch dtypes and tensors are torch's own allow-list. Anything else
 is refused with one line naming the class; nothing from the checkpoint is executed.
@@ -26,8 +27,11 @@ import torch
 
 from tricorn.checkpoint.interop.hf_mapping import ConvertError
 
-# Megatron enums that its saved args hold, as value -> member name (megatron-core 0.19's definitions).
-MEGATRON_ENUMS: dict[str, dict[int, str]] = {
+# The Megatron enums a default megatron-core 0.19 save pickles (its args, and the rerun state machine's state in
+# the common state), as value -> member name, copied from megatron-core 0.19.2's definitions. A value missing
+# here reads as "Class(value)", so a newer member never fails a load.
+_RERUN = "megatron.core.rerun_state_machine."
+MEGATRON_ENUMS: dict[str, dict[Any, str]] = {
     "megatron.core.transformer.enums.AttnBackend": {1: "flash", 2: "fused", 3: "unfused", 4: "local", 5: "auto"},
     "megatron.core.transformer.enums.AttnMaskType": {
         1: "padding",
@@ -35,13 +39,45 @@ MEGATRON_ENUMS: dict[str, dict[int, str]] = {
         3: "no_mask",
         4: "padding_causal",
         5: "arbitrary",
+        6: "causal_bottom_right",
     },
-    "megatron.core.transformer.enums.InferenceCudaGraphScope": {1: "none", 2: "block", 3: "full"},
-    "megatron.core.transformer.enums.CudaGraphScope": {},
-    "megatron.core.transformer.enums.LayerType": {},
+    "megatron.core.transformer.enums.InferenceCudaGraphScope": {1: "none", 2: "layer", 3: "block"},
+    "megatron.core.transformer.enums.CudaGraphScope": dict(
+        enumerate(
+            ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba", "full_iteration_inference"), 1
+        )
+    ),
+    "megatron.core.transformer.enums.LayerType": dict(enumerate(("embedding", "loss", "encoder", "decoder", "mtp"), 1)),
     "megatron.core.enums.ModelType": {1: "encoder_or_decoder", 2: "retro_encoder", 3: "retro_decoder"},
-    "megatron.core.enums.Fp8Recipe": {},
-    "megatron.core.enums.Fp4Recipe": {},
+    "megatron.core.enums.Fp8Recipe": {v: v for v in ("delayed", "tensorwise", "mxfp8", "blockwise", "custom")},
+    "megatron.core.enums.Fp4Recipe": {v: v for v in ("nvfp4", "custom")},
+    # The rerun state machine (--rerun-mode, validate_results by default): its mode and state in the common state,
+    # its diagnostics in the per-rank rerun_state_machine_state object.
+    _RERUN + "RerunMode": {v: v.upper() for v in ("disabled", "validate_results", "report_determinism_stats")},
+    _RERUN + "RerunState": dict(
+        enumerate(
+            (
+                "NOT_RUNNING_YET",
+                "INITIAL_RUN",
+                "RERUNNING_IN_PLACE",
+                "WILL_RERUN_FROM_CHECKPOINT",
+                "RERUNNING_FROM_CHECKPOINT",
+                "RERUNNING_AGAIN_FROM_CHECKPOINT",
+            )
+        )
+    ),
+    _RERUN + "RerunDiagnostic": {v: v.upper() for v in ("correct_result", "transient_error", "persistent_error")},
+    _RERUN + "RerunValidationStatus": {
+        v: v.upper()
+        for v in (
+            "rerun_disabled",
+            "initial_run",
+            "first_rerun_not_reproducible",
+            "first_rerun_reproducible",
+            "second_rerun_not_reproducible",
+            "second_rerun_reproducible",
+        )
+    },
     "signal.Signals": {},
 }
 
@@ -65,7 +101,7 @@ def _enum_standin(path: str):
                 return EnumName(f"Signals.{signal.Signals(value).name}")
             except ValueError:
                 pass
-        name = names.get(value) if isinstance(value, int) else (value if isinstance(value, str) else None)
+        name = names.get(value) if isinstance(value, (int, str)) else None
         return EnumName(f"{cls}.{name}" if name else f"{cls}({value!r})")
 
     build.__name__ = build.__qualname__ = f"standin_{cls}"

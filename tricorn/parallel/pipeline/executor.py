@@ -7,8 +7,9 @@ It walks the rank's action list step by step (``schedules.group_steps``):
 * FORWARD m,c: the input is microbatch m's tokens (after ``ctx.prepare``, the CP slice) on
   virtual stage 0, otherwise the activation received for (m, c), made a leaf that requires
   grad. The output is kept for the backward. On the last virtual stage the output is the
-  loss ``sum(per_token * mask) / ctx.num_tokens`` - normalised by the valid tokens of the
-  whole global batch, never again by the microbatch count or the pipeline size.
+  loss ``sum(per_token * mask) / ctx.denominator(m)`` (``step.py``: Megatron's normalisation, by the
+  microbatch's tokens x the microbatches x DP, or by the global batch's tokens), never again by the
+  pipeline size; the run's total adds ``sum / ctx.num_tokens``, the logged loss.
 * BACKWARD m,c: ``scale_loss(loss).backward()`` on the last virtual stage, otherwise
   ``torch.autograd.backward(output, received output gradient)``, inside
   ``ctx.optimizer.microbatch(is_last=<last backward of chunk c>, chunk=c)``. The input's
@@ -197,8 +198,9 @@ class PipelineExecutor:
         x = mb.tokens if is_first_stage(self.pp_rank, a.chunk) else run.inputs.pop(key)
         out = model(x, mb.labels if last else None, mb.sample_ids)
         if last:
-            out = (out * mb.loss_mask).sum() / run.ctx.num_tokens
-            run.total += out.detach().float()
+            out = (out * mb.loss_mask).sum()
+            run.total += out.detach().float() / run.ctx.num_tokens
+            out = out / run.ctx.denominator(a.microbatch)
         else:
             nxt = self._local(a.chunk, towards_next=True)
             if nxt is None:
@@ -214,7 +216,7 @@ class PipelineExecutor:
     def _backward(self, a: Action, run: _Run, is_last: bool) -> None:
         key = (a.microbatch, a.chunk)
         out = run.outputs.pop(key)
-        set_moe_aux_weight(run.ctx, run.batch(a.microbatch))
+        set_moe_aux_weight(run.ctx, a.microbatch, run.batch(a.microbatch))
         deferred = run.store.backward_input(key) if run.store is not None else contextlib.nullcontext()
         with run.ctx.optimizer.microbatch(is_last=is_last, chunk=a.chunk), deferred:
             if self.is_last_stage(a.chunk):
