@@ -35,6 +35,8 @@ Checks (one PASS / FAIL / SKIP line each, an INFO line for the CUDA context, the
      MoE), so any synchronising CUDA call raises. --cpu-smoke: the host-read counter stands in.
   l  async-save resume: --async-save --save-interval 1, then a resume from the middle checkpoint
      (--ckpt-step) whose losses must equal the uninterrupted run's bitwise.
+  m  activation offload: --cpu-offloading-num-layers 1 under k's sync guard (the side-stream copies make the host
+     wait nowhere), loss within BF16_BOUND of the base run, and on a GPU a lower allocator peak than the base run's.
 
 Set-up on a bare machine: `make venv TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"`,
 then `.venv/bin/pip install -e '.[te]'`. Without a CUDA GPU and without --cpu-smoke the script
@@ -564,6 +566,23 @@ def check_async_resume(r: Runner, c: Check, base: dict) -> None:
         c.fail(f"resumed losses {got} differ from the uninterrupted run's {expected}")
 
 
+def check_activation_offload(r: Runner, c: Check, base: dict) -> None:
+    from tricorn import pinned
+
+    # --cpu-smoke: the CPU takes CUDA's branches (pinned host buffers, non-blocking copies) under pinned.stand_in().
+    guards = Guards(step=pinned.stand_in, quiet=_ReadsAsSyncs) if r.smoke else Guards(quiet=_sync_errors)
+    run = r.train("--cpu-offloading-num-layers 1", model=r.small, guards=guards)
+    base_run = r.small_base()
+    diff = max(abs(a - b) for a, b in zip(run["losses"], base_run["losses"]))
+    c.data.update(loss_diff=diff)
+    if run["peak_bytes"] is not None:
+        c.data.update(peak_mib=run["peak_bytes"] / 2**20, base_peak_mib=base_run["peak_bytes"] / 2**20)
+    if not diff <= BF16_BOUND:
+        c.fail(f"loss differs from the run without offload by {diff:.4g} > {BF16_BOUND}")
+    elif run["peak_bytes"] is not None and not run["peak_bytes"] < base_run["peak_bytes"]:
+        c.fail("offloading a layer's activations did not lower the allocator's peak")
+
+
 CHECKS: dict[str, tuple[str, Callable[[Runner, Check, dict], None]]] = {
     "a": ("speed", check_speed),
     "b": ("fp8", check_fp8),
@@ -577,6 +596,7 @@ CHECKS: dict[str, tuple[str, Callable[[Runner, Check, dict], None]]] = {
     "j": ("attention-kernel", check_attention_kernel),
     "k": ("sync-debug", check_sync_debug),
     "l": ("async-save-resume", check_async_resume),
+    "m": ("activation-offload", check_activation_offload),
 }
 
 

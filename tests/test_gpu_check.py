@@ -25,6 +25,7 @@ CHECKS = {
     "attention-kernel",
     "sync-debug",
     "async-save-resume",
+    "activation-offload",
 }
 
 

@@ -102,6 +102,15 @@ class ModelConfig:
     recompute_modules: list = _f(
         ["core_attn"], "Modules recomputed by selective recompute.", nargs="+", choices=["core_attn", "mlp", "norm", "mlp_act"]
     )
+    # Activation offload to host memory (Megatron's names; tricorn/parallel/offload.py, docs/memory.md).
+    cpu_offloading: bool = _f(
+        False, "Offload the activations the first --cpu-offloading-num-layers layers of each model chunk save for backward."
+    )
+    cpu_offloading_num_layers: int = _f(
+        0,
+        "Layers of each model chunk whose saved activations go to host memory (> 0 implies --cpu-offloading).",
+        bound=NON_NEGATIVE,
+    )
     transformer_impl: str = _f("local", "Layer implementation.", choices=["local", "transformer_engine"])
     torch_compile: bool = _f(
         False, "Compile each transformer layer's forward with torch.compile (regional, inductor; docs/compile.md)."

@@ -47,7 +47,7 @@ NO_OPS: dict[str, tuple[str, ...]] = {
         overlap_moe_expert_parallel_comm delay_wgrad_compute overlap_dispatch_backward_with_experts_wgrad
         ep_overlap_early_attn_memory_release use_ring_exchange_p2p defer_embedding_wgrad_compute
         wgrad_deferral_limit overlap_p2p_comm_warmup_flush microbatch_group_size_per_vp_stage
-        cpu_offloading_num_layers cpu_offloading_retain_pinned_cpu_buffers
+        cpu_offloading_retain_pinned_cpu_buffers
         account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split attention_backend
         flash_attention_version init_model_with_meta_device use_fused_weighted_squared_relu
         fused_residual_rmsnorm use_transformer_engine_op_fuser distribute_saved_activations

@@ -71,11 +71,30 @@ def is_pinned(t: torch.Tensor) -> bool:
 
 
 def host_buffer(shape: Union[int, Sequence[int]], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """A zeroed host tensor, allocated pinned when `pinned` (registered as host memory on a stand-in run)."""
+    """A zeroed host tensor, allocated pinned when `pinned` (see ``host_empty``)."""
+    return host_empty(shape, dtype, pinned).zero_()
+
+
+def host_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """A host tensor (uninitialised), allocated pinned when `pinned`. On a CPU-only run it is registered as host
+    memory - pinned on a stand-in run - so that the contract and the peak tracker (training/peak.py, which counts
+    device memory) tell it from the run's device tensors."""
     if pinned and torch.cuda.is_available():
-        return torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=True)
-    t = torch.zeros(shape, dtype=dtype, device="cpu")
-    return mark_host(t, PINNED if pinned else HOST) if stand_in_active() else t
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+    _ALLOCATING.depth = getattr(_ALLOCATING, "depth", 0) + 1
+    try:
+        t = torch.empty(shape, dtype=dtype, device="cpu")
+    finally:
+        _ALLOCATING.depth -= 1
+    return mark_host(t, PINNED if pinned and stand_in_active() else HOST)
+
+
+_ALLOCATING = threading.local()
+
+
+def allocating_host() -> bool:
+    """Inside ``host_empty``'s allocation, before its tensor is registered (the peak tracker skips it)."""
+    return getattr(_ALLOCATING, "depth", 0) > 0
 
 
 _HOST_SIDE = threading.local()

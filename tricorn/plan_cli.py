@@ -26,7 +26,7 @@ from tricorn.planning.hardware import GiB, get_gpu
 from tricorn.planning.layout import Layout
 from tricorn.planning.memory import active_params, total_params
 from tricorn.planning.plan_checks import explain_impossible
-from tricorn.planning.planner import Plan, layout_text, max_model, plan, recompute_text
+from tricorn.planning.planner import FEATURE_MODES, Plan, features_text, layout_text, max_model, plan, recompute_text
 from tricorn.planning.step_time import Cluster
 
 
@@ -52,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--verify", action="store_true", help="Simulate the top layout (tricorn simulate) and print measured beside estimated."
     )
+    p.add_argument(
+        "--memory-features",
+        choices=FEATURE_MODES,
+        default="auto",
+        help="Try bf16 moments, activation offload and optimizer offload on layouts that do not fit: auto (when fewer "
+        "than --top-k fit without them), all, off (docs/memory.md).",
+    )
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -70,8 +77,8 @@ def _schedule(lay) -> str:
 
 def _table(plans: list[Plan]) -> str:
     head = (
-        " #  TP PP VPP schedule    CP  DP  EP  mb  recompute       ZeRO  mem/GPU  step s [p10-p90]      tokens/s [p10-p90]      "
-        "TFLOP/s/GPU      MFU [p10-p90]        HFU [p10-p90]        why"
+        " #  TP PP VPP schedule    CP  DP  EP  mb  recompute       ZeRO  memory features          mem/GPU  step s [p10-p90]      "
+        "tokens/s [p10-p90]      TFLOP/s/GPU      MFU [p10-p90]        HFU [p10-p90]        why"
     )
     rows = [head]
     for i, p in enumerate(plans, 1):
@@ -79,7 +86,8 @@ def _table(plans: list[Plan]) -> str:
         pp = f"{lay.pp}" if lay.first_stage_layers is None else f"{lay.pp}*"
         rows.append(
             f"{i:2d}{'=' if p.tie else ' '}{lay.tp:3d} {pp:>2} {lay.vpp:3d} {_schedule(lay):<11} {lay.cp:2d} {lay.dp:3d} {lay.ep:3d} {lay.micro_batch:3d}  "
-            f"{recompute_text(lay):<15} {lay.zero_stage:4d} {p.memory_bytes / GiB:5.1f} GiB  {_iv(p, 'step_time_s', '.2f'):<21}"
+            f"{recompute_text(lay):<15} {lay.zero_stage:4d}  {features_text(lay):<23} {p.memory_bytes / GiB:5.1f} GiB  "
+            f"{_iv(p, 'step_time_s', '.2f'):<21}"
             f"{_iv(p, 'tokens_per_s', '.0f'):<24}{_iv(p, 'tflops_per_gpu', '.0f'):<17}"
             f"{_iv(p, 'mfu', '.1%'):<21}{_iv(p, 'hfu', '.1%'):<21}{p.why}"
         )
@@ -132,6 +140,14 @@ def _canonical(argv: list[str]) -> list[str]:
         elif a != "--quiet" and not a.startswith("--emit-sbatch="):
             out.append(a)
     return out + ["--emit-sbatch", "FILE"]
+
+
+def _features_note(result) -> str:
+    """How many fit only with memory features (planning/memory_features.py), or why none were tried."""
+    if not result.features_searched:
+        return " (memory features not tried: enough fit without them; --memory-features all tries them too)"
+    skipped = f"; {result.skipped} slower than the top {len(result.plans)} not tried with them" if result.skipped else ""
+    return f" ({result.plain} as they are, {result.fitting - result.plain} with memory features{skipped})"
 
 
 def _active_note(model: ModelConfig) -> str:
@@ -189,7 +205,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0 if best is not None else 1
     fp8 = Layout.from_config(cfg)  # the FP8 recipe in effect of --transformer-impl / --fp8-format / --fp8-recipe
     attention = _attention(cfg, args.document_length)
-    result = plan(model, cluster, gbs, precision, args.top_k, fp8=(fp8.transformer_impl, fp8.fp8_recipe), attention=attention)
+    result = plan(
+        model, cluster, gbs, precision, args.top_k, (fp8.transformer_impl, fp8.fp8_recipe), attention, args.memory_features
+    )
     if not result.plans:
         print(f"tricorn plan: {explain_impossible(model, name, cluster, gbs, result, precision)}", file=sys.stderr)
         if args.json:
@@ -210,8 +228,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"{name}: {total_params(model) / 1e9:.2f} B parameters{_active_note(model)}, seq {model.seq_length}, global batch {gbs}, {precision}{fp8_text} on "
         f"{args.gpus} x {gpu.name} ({args.gpus_per_node} per node), {cluster.usable_bytes / GiB:.1f} GiB usable per GPU\n"
         f"{_attention_text(model, attention, args.document_length)}"
-        f"{result.considered} layouts considered, {result.fitting} fit, {result.ties} tie with the fastest; "
-        f"top {len(result.plans)}, ties first (simplest first), then by predicted tokens/s:\n" + _table(result.plans)
+        f"{result.considered} layouts considered, {result.fitting} fit{_features_note(result)}, {result.ties} tie with the "
+        f"fastest; top {len(result.plans)}, ties first (simplest first), then by predicted tokens/s:\n" + _table(result.plans)
     )
     fast = result.fastest
     if fast is not None and fast not in result.plans:

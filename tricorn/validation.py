@@ -21,6 +21,7 @@ from tricorn.parallel.batch_schedule import validate_rampup
 from tricorn.parallel.compile import validate_compile
 from tricorn.parallel.fp8 import validate_fp8
 from tricorn.parallel.fp8_params import validate_fp8_param_gather
+from tricorn.parallel.offload import validate_offload
 from tricorn.parallel.pipeline.stages import validate_pipeline
 from tricorn.parallel.precision import validate_precision
 from tricorn.parallel.recompute import validate_recompute
@@ -150,6 +151,7 @@ def validate(cfg: Config) -> list[str]:
             validate_pipeline(cfg)
             + validate_rampup(cfg)
             + validate_recompute(cfg)
+            + validate_offload(cfg)
             + validate_moe(cfg)
             + validate_compile(cfg)
             + validate_fp8(cfg)

@@ -56,7 +56,7 @@ _APPLIED = "_tricorn_recompute"
 # ---------------------------------------------------------------- validation
 
 
-def _chunk_layer_counts(cfg: Any) -> list[int]:
+def chunk_layer_counts(cfg: Any) -> list[int]:
     """Layers in each model chunk of the run (one count without PP); empty if the split itself is invalid."""
     from tricorn.parallel.pipeline.stages import StageSplitError, layout_from_config
 
@@ -93,7 +93,7 @@ def validate_recompute(cfg: Any) -> list[str]:
     elif n < 1:
         errs.append(f"--recompute-num-layers must be at least 1, got {n}")
     else:
-        counts = _chunk_layer_counts(cfg)
+        counts = chunk_layer_counts(cfg)
         if counts and n > max(counts):
             errs.append(
                 f"--recompute-num-layers {n} is more than the {max(counts)} layers of a model chunk on a pipeline stage; "
@@ -188,6 +188,27 @@ def _checkpoint_mlp(block: nn.Module) -> None:
     block.mlp.forward = checkpointed(block.mlp.forward)
 
 
+class _Refill(torch.autograd.Function):
+    """Identity on the consumer's output; its backward (before the consumer's) rebuilds the producer's output in
+    its emptied storage from the producer's input. The input is saved the autograd way, so saved-tensor hooks
+    (activation offload, the probe) see it as the one storage the producer also saved."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, x: torch.Tensor, produce: Callable, storage: Any, nbytes: int) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.produce, ctx.storage, ctx.nbytes = produce, storage, nbytes
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if ctx.storage.nbytes() != ctx.nbytes:  # not already rebuilt (a second backward through a retained graph)
+            with torch.no_grad():
+                again = ctx.produce(ctx.saved_tensors[0])
+            ctx.storage.resize_(ctx.nbytes)
+            ctx.storage.copy_(again.untyped_storage())
+        return grad, None, None, None, None
+
+
 def _recompute_output(producer: nn.Module, consumer: nn.Module) -> None:
     """Free `producer`'s output once `consumer` (which saved it) has run; rebuild it when consumer's backward starts.
 
@@ -203,25 +224,16 @@ def _recompute_output(producer: nn.Module, consumer: nn.Module) -> None:
             pending.append((x, y))
         return y
 
-    def after_consumer(_module: nn.Module, _args: Any, out: torch.Tensor) -> None:
+    def after_consumer(_module: nn.Module, _args: Any, out: torch.Tensor) -> Optional[torch.Tensor]:
         if not pending:
-            return
+            return None
         x, y = pending.pop()
         if not (torch.is_grad_enabled() and out.requires_grad):
-            return
+            return None
         storage = y.untyped_storage()
         nbytes = storage.nbytes()
         storage.resize_(0)
-
-        def refill(_grad: torch.Tensor) -> None:
-            if storage.nbytes() == nbytes:
-                return  # already rebuilt (a second backward through a retained graph)
-            with torch.no_grad():
-                again = produce(x)
-            storage.resize_(nbytes)
-            storage.copy_(again.untyped_storage())
-
-        out.register_hook(refill)
+        return _Refill.apply(out, x, produce, storage, nbytes)
 
     producer.forward = forward
     consumer.register_forward_hook(after_consumer)

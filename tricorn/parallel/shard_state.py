@@ -34,7 +34,7 @@ from torch.optim.adamw import adamw
 from tricorn.config import TrainingConfig
 from tricorn.parallel.data_parallel import Bucket
 from tricorn.parallel.precision import MOMENTS, KeyedRange, StateDtypes, from_storage, stochastic_store, to_storage
-from tricorn.pinned import host_buffer, is_pinned, pins_host_memory
+from tricorn.pinned import host_buffer, is_pinned, mark_host, pins_host_memory
 
 
 @dataclass
@@ -127,6 +127,8 @@ class ShardState:
         self.weight_decay = t.weight_decay
         step_device = home if self.fused else torch.device("cpu")
         self.steps = [torch.tensor(0.0, dtype=torch.float32, device=step_device) for _ in self.entries]
+        if offload:  # host memory, as the state they count (registered so on a CPU run: tricorn/pinned.py)
+            self.steps = [mark_host(step) for step in self.steps]
         self.fp8 = False  # FP8 primary weights (fp8_params.py): the optimizer casts the masters into the parameters
 
     @property

@@ -56,8 +56,8 @@ terms, while q, k, v held by the checkpoint are the qkv term again); mlp removes
 holds the norm output, a linear input already counted); norm removes the two norm outputs (linear_inputs);
 mlp_act removes w2's input (e f/(ht)). With norm and mlp_act a Llama layer keeps sb(8h + 4h_kv + 4f)/t * e/2
 plus statistics. Full recompute keeps only the layer input (layer_input), e*sbh (/t under SP) per group of N
-layers - plus, transiently during backward, one group's full activations (``stage_activation_bytes`` adds the
-groups and that one group).
+layers - plus, transiently during backward, one group's full activations (stage_activations.py adds the
+groups and that one group, and takes the offloaded layers out).
 
 Profiles. ``TRICORN`` is the table above (tricorn's block). ``KORTHIKANTI`` (no statistics, no RoPE rows,
 1-byte masks, math attention) gives exactly Korthikanti et al.'s sbh(34 + 5as/h) for a GPT-3 block in fp16,
@@ -473,30 +473,6 @@ def layout_layer_bytes(model: ModelConfig, layout: Layout, profile: ActivationPr
         document_bounds=layout.document_bounds,
     )
     return layer_activation_bytes(model, **(kw | override), profile=profile)
-
-
-def stage_activation_bytes(
-    model: ModelConfig,
-    layout: Layout,
-    stage: int,
-    layers: int,
-    profile: ActivationProfile,
-    in_flight: Optional[float] = None,
-) -> float:
-    """Transformer-layer activations alive on ``stage`` at its peak (full recompute: stored inputs + one group),
-    with ``in_flight`` microbatches (default: the schedule's ``microbatches_in_flight``)."""
-    if in_flight is None:
-        in_flight = microbatches_in_flight(layout, stage)
-    if layout.recompute != "full":
-        return layout_layer_bytes(model, layout, profile) * layers * in_flight
-    full_layer = layout_layer_bytes(model, layout, profile, recompute=None)
-    stored = layout_layer_bytes(model, layout, profile)
-    n = max(1, layout.recompute_num_layers or 1)
-    if layout.recompute_method == "block":
-        recomputed = min(n * layout.vpp, layers)  # per model chunk
-        return (recomputed * stored + (layers - recomputed) * full_layer) * in_flight + full_layer
-    groups = -(-layers // n)  # uniform: one stored input per group of n layers, one group rebuilt at a time
-    return groups * stored * in_flight + min(n, layers) * full_layer
 
 
 def _ids_bytes(layout: Layout) -> int:

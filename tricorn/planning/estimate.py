@@ -107,6 +107,8 @@ def estimate_record(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> di
             zero_stage=p.zero_stage_in_effect,
             precision=cfg.param_dtype_name,
             device=cfg.device,
+            optimizer_cpu_offload=cfg.parallel.optimizer_cpu_offload,
+            cpu_offloading_num_layers=cfg.model.cpu_offloading_num_layers,
         ),
         model_flops_per_iteration=f.model,
         hardware_flops_per_iteration=f.hardware,
@@ -166,7 +168,13 @@ def format_report(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> str:
         f"memory estimate for {name}: TP {lay['tp']} x PP {lay['pp']} (VPP {lay['vpp']}) x CP {lay['cp']} x DP {lay['dp']}"
         f" = {cfg.world_size} ranks on {lay['device']}",
         f"  micro batch {lay['micro_batch']} x {lay['num_microbatches']} microbatches, {lay['precision']}, {zero}, "
-        f"recompute {lay['recompute'] or 'none'}, sequence parallel {'on' if lay['sequence_parallel'] else 'off'}",
+        f"recompute {lay['recompute'] or 'none'}, sequence parallel {'on' if lay['sequence_parallel'] else 'off'}"
+        + (", optimizer in host memory" if lay["optimizer_cpu_offload"] else "")
+        + (
+            f", activations of {lay['cpu_offloading_num_layers']} layers per chunk to host"
+            if lay["cpu_offloading_num_layers"]
+            else ""
+        ),
         f"  parameters: {rec['total_params'] / 1e9:.3f} B in the model{_active(rec)}, "
         f"{rec['params_on_rank'] / 1e9:.3f} B on the worst rank "
         f"(pipeline stage {rec['stage']}, {rec['layers_on_stage']} layers, {rec['microbatches_in_flight']:g} microbatches in flight)",
@@ -175,6 +183,8 @@ def format_report(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> str:
         if key != "fp8_bytes" or "fp8" in rec:  # the FP8 row only for an FP8 run
             lines.append(f"  {label:<26}{_gib(rec[key])}")
     lines.append(f"  {'total':<26}{_gib(rec['total_bytes'])}")
+    if rec["host_bytes"]:
+        lines.append(f"  {'host memory (offloaded)':<26}{_gib(rec['host_bytes'])}  not in the total: {_offloaded(cfg)}")
     if "fp8" in rec:
         f = rec["fp8"]
         lines.append(
@@ -193,6 +203,16 @@ def format_report(cfg: Config, gpu_memory_bytes: Optional[float] = None) -> str:
         f"  FLOPs per iteration: {rec['model_flops_per_iteration']:.3e} model, {rec['hardware_flops_per_iteration']:.3e} hardware"
     )
     return "\n".join(lines)
+
+
+def _offloaded(cfg: Config) -> str:
+    """What --optimizer-cpu-offload and --cpu-offloading-num-layers put in host memory (planning/memory.py)."""
+    parts = []
+    if cfg.parallel.optimizer_cpu_offload:
+        parts.append("master weights, Adam moments and the step's staging copies")
+    if cfg.model.cpu_offloading_num_layers:
+        parts.append(f"the saved activations of {cfg.model.cpu_offloading_num_layers} layers per model chunk")
+    return " and ".join(parts)
 
 
 def _native_fp8_lines(cfg: Config) -> list[str]:

@@ -12,6 +12,12 @@ The network column assumes the DGX/HGX layout of one InfiniBand NIC per GPU (rai
 a fraction of these link rates; the planner applies ``BUS_EFFICIENCY`` (what nccl-tests' busbw typically shows
 against the link rate) instead of pretending to the datasheet figure.
 
+The host side (what --optimizer-cpu-offload and activation offload use; planning/host_time.py), per GPU: its PCIe
+link, one direction, x16 (Gen4 on the A100, Gen5 on the H100/H200: 32 and 64 GB/s), and an eighth of the DGX
+node's host memory and memory bandwidth (DGX A100: 1 TiB, 2 x 8 channels of DDR4-3200 = 410 GB/s; DGX H100/H200:
+2 TiB, 2 x 8 channels of DDR5-4800 = 614 GB/s). Copies between pinned host memory and the device reach
+``BUS_EFFICIENCY["pcie"]`` of the link (an assumption, as nccl-tests' figures are for the collectives).
+
 fp32 training on CUDA runs its matmuls on TF32 tensor cores (tricorn enables them; `--no-tf32` turns them off),
 so its peak is the TF32 figure, and with --no-tf32 the fp32 (CUDA-core, non-tensor) figure: `mfu_dtype` picks
 the row. fp8 is twice bf16 (Transformer Engine), and the A100 has no fp8 tensor cores.
@@ -27,7 +33,7 @@ GiB = 1024**3
 MiB = 1024**2
 
 # Collectives over NVLink / InfiniBand reach roughly this fraction of the link rate (nccl-tests busbw).
-BUS_EFFICIENCY = {"nvlink": 0.80, "network": 0.85}
+BUS_EFFICIENCY = {"nvlink": 0.80, "network": 0.85, "pcie": 0.80}
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,9 @@ class GPUSpec:
     network_bytes_per_s: float  # per GPU, one direction, between nodes
     fp32_tflops: float  # IEEE fp32 on the CUDA cores: matmuls with TF32 off
     gpus_per_node: int = 8
+    host_link_bytes_per_s: float = 32e9  # PCIe x16 between the GPU and host memory, one direction
+    host_memory_bytes: int = 128 * GiB  # this GPU's share of the node's host memory
+    host_memory_bytes_per_s: float = 51e9  # this GPU's share of the node's host memory bandwidth
 
     @property
     def memory_gb(self) -> float:
@@ -62,10 +71,11 @@ class GPUSpec:
         raise ValueError(f"unknown compute dtype '{dtype}': use bf16, fp16, fp8, tf32 or fp32")
 
 
+_DGX_H100_HOST = dict(host_link_bytes_per_s=64e9, host_memory_bytes=256 * GiB, host_memory_bytes_per_s=77e9)
 GPUS: dict[str, GPUSpec] = {
     "a100-80gb": GPUSpec("a100-80gb", 312.0, 156.0, False, 81920 * MiB, 2.039e12, 300e9, 25e9, 19.5),
-    "h100-80gb": GPUSpec("h100-80gb", 989.0, 494.0, True, 81559 * MiB, 3.35e12, 450e9, 50e9, 67.0),
-    "h200-141gb": GPUSpec("h200-141gb", 989.0, 494.0, True, 143771 * MiB, 4.8e12, 450e9, 50e9, 67.0),
+    "h100-80gb": GPUSpec("h100-80gb", 989.0, 494.0, True, 81559 * MiB, 3.35e12, 450e9, 50e9, 67.0, **_DGX_H100_HOST),
+    "h200-141gb": GPUSpec("h200-141gb", 989.0, 494.0, True, 143771 * MiB, 4.8e12, 450e9, 50e9, 67.0, **_DGX_H100_HOST),
 }
 
 

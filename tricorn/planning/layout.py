@@ -50,6 +50,8 @@ class Layout:
     attention_work: float = 1.0
     per_sample_positions: bool = False
     document_bounds: bool = False  # --reset-attention-mask: the attention's host bounds (compiled: saved, activations.py)
+    offload_layers: int = 0  # --cpu-offloading-num-layers: each chunk's first N layers save to host (stage_activations.py)
+    optimizer_offload: bool = False  # --optimizer-cpu-offload: master weights and Adam moments in host memory
     fp8_param_gather: bool = False  # --fp8-param-gather: the FP8 linears' weights are stored and gathered in FP8
     # The precision-aware optimizer (--use-precision-aware-optimizer): the stored dtypes (planning/memory.py)
     main_params_dtype: str = "fp32"  # master weights: fp32 | fp16 | bf16
@@ -107,6 +109,8 @@ class Layout:
             attention_work=attention_work(m.seq_length, m.attention_window),  # the documents are not known here
             per_sample_positions=cfg.data.reset_position_ids,
             document_bounds=cfg.data.reset_attention_mask,
+            offload_layers=m.cpu_offloading_num_layers,
+            optimizer_offload=p.optimizer_cpu_offload,
             fp8_param_gather=bool(t.fp8_format) and t.fp8_param_gather and m.transformer_impl == "local",
             main_params_dtype=t.main_params_dtype if aware else "fp32",
             exp_avg_dtype=t.exp_avg_dtype if aware else "fp32",

@@ -29,7 +29,8 @@ No collectives, no device work.
 
 from __future__ import annotations
 
-from dataclasses import asdict, astuple, dataclass, field
+import dataclasses
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from tricorn.config import Config, ModelConfig
@@ -49,11 +50,15 @@ from tricorn.planning.activations import (  # noqa: F401 - re-exported: the esti
     microbatches_in_flight,
     moe_backward_workspace,
     other_saved_bytes,
-    stage_activation_bytes,
 )
 from tricorn.planning.context_comm import cp_transient_bytes, masked_transient_bytes
 from tricorn.planning.fp8_terms import fp8_terms
 from tricorn.planning.layout import Layout
+from tricorn.planning.stage_activations import (  # noqa: F401 - stage_activation_bytes re-exported
+    offload_host_bytes,
+    stage_activation_bytes,
+    stage_units,
+)
 from tricorn.planning.zero_bubble_memory import experts_defer, zero_bubble_activation_peak
 
 GiB = 1024**3
@@ -61,6 +66,10 @@ CUDA_OVERHEAD_BYTES = 1 * GiB
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # the precision-aware optimizer's stored dtypes
 FP8_PARAM_BYTES = 1  # --fp8-param-gather: an FP8 primary weight's element
+# --optimizer-cpu-offload, per owned element in host memory besides the master (a copy in its dtype, even where
+# the parameters would be their own master) and the moments (parallel/shard_state.py): the fp32 gradient the step
+# reads; on CUDA also the pinned staging copy, in the parameters' dtype, the new values go back to the device from.
+OFFLOADED_GRAD_BYTES = 4
 
 
 # ---------------------------------------------------------------- model state
@@ -78,7 +87,12 @@ class ModelState:
         return self.params + self.grads + self.master_params + self.optimizer_state
 
     def __add__(self, other: ModelState) -> ModelState:
-        return ModelState(*(a + b for a, b in zip(astuple(self), astuple(other))))
+        return ModelState(
+            self.params + other.params,
+            self.grads + other.grads,
+            self.master_params + other.master_params,
+            self.optimizer_state + other.optimizer_state,
+        )
 
 
 def bytes_per_param(precision: str, grads_16bit: bool = False) -> tuple[int, int, int, int]:
@@ -341,6 +355,7 @@ class MemoryEstimate:
     fp8_bytes: float = 0.0  # FP8 weight caches (or saved FP8 weights under ZeRO-3) and scaling state
     grad_buffer_bytes: float = 0.0  # of buffer_bytes: transient gradient buckets (``zero_backward_peak``)
     param_buffer_bytes: float = 0.0  # of buffer_bytes: ZeRO-3's gathered layers
+    host_bytes: float = 0.0  # host memory, not in the total: the offloaded optimizer state and activations
 
     def peak_by_kind(self) -> dict[str, float]:
         """The peak split as `tricorn simulate` measures it: buffers go to what they hold (Buffers)."""
@@ -403,9 +418,23 @@ def _pipeline_buffer_bytes(model: ModelConfig, layout: Layout) -> float:
     )
 
 
+_BUCKETS: dict[tuple, list[int]] = {}  # zero2_buckets of recent layouts (the planner asks again for each feature set)
+
+
 def zero2_buckets(model: ModelConfig, layout: Layout, stage: int, layers: int) -> list[int]:
     """ZeRO-2's gradient buckets on a rank of ``stage``, in backward order: the code's own plan
     (parallel/buckets.py) over the stage's parameters, each virtual-pipeline chunk its own buffers."""
+    # The buckets are elements of parameters: what the activations and the optimizer's dtypes do leaves them alone.
+    same = dataclasses.replace(layout, offload_layers=0, optimizer_offload=False, exp_avg_dtype="fp32", exp_avg_sq_dtype="fp32")
+    key = (repr(model), same, stage, layers)
+    if key not in _BUCKETS:
+        if len(_BUCKETS) > 1024:
+            _BUCKETS.clear()
+        _BUCKETS[key] = _plan_zero2_buckets(model, layout, stage, layers)
+    return _BUCKETS[key]
+
+
+def _plan_zero2_buckets(model: ModelConfig, layout: Layout, stage: int, layers: int) -> list[int]:
     vpp = layout.vpp if layout.pp > 1 else 1
     head, body, tail = stage_param_parts(model, layout, stage, layers)
     # (elements, kept apart, FP8 primary weight): FP8 weights are planned in buckets of their own (data_parallel.py)
@@ -524,6 +553,13 @@ def estimate(
             + state_of(n_fp8, shard, FP8_PARAM_BYTES)
             + state_of(n_experts, shard // layout.ep)
         )
+        held = stage_units(model, layout, stage, n_layers, profile)
+        host = held.host * microbatches_in_flight(layout, stage)  # the offloaded activations of every microbatch in flight
+        if layout.optimizer_offload:  # master weights and moments (and the step's staging copies) in host memory
+            owned = state.optimizer_state / o_b
+            master = DTYPE_BYTES[layout.main_params_dtype]
+            host += owned * (master + o_b + OFFLOADED_GRAD_BYTES + (p_b if layout.device == "cuda" else 0))
+            state = dataclasses.replace(state, master_params=0.0, optimizer_state=0.0)
         # The stage's first MoE layer backward: its workspace, where the last stage's loss part is released.
         # Likewise a layer's CP attention buffers in flight (context_comm.py: K/V pairs, fp32 accumulators).
         zero_bubble = layout.pp > 1 and layout.schedule in ZERO_BUBBLE
@@ -534,9 +570,10 @@ def estimate(
             zb = zero_bubble_activation_peak(model, layout, stage, n_layers, profile, sum(layers[:stage]), workspace)
             activations, logits = zb.activations - zb.loss_part, zb.loss_part
         else:
-            activations = stage_activation_bytes(model, layout, stage, n_layers, profile)
+            activations = held.kept * microbatches_in_flight(layout, stage) + held.rebuilt
             logits = embedding_logits_bytes(model, layout, stage, profile)
-            activations += max(0.0, workspace - loss_part_bytes(model, layout, stage, profile))
+            # A layer's backward workspace, and offloaded layers brought back, come after the loss part is freed.
+            activations += max(0.0, workspace + held.returned - loss_part_bytes(model, layout, stage, profile))
         fp8 = fp8_terms(model, layout, n_layers, microbatches_in_flight(layout, stage))
         activations += fp8.activation_delta * n_layers * microbatches_in_flight(layout, stage)
         buffers = _forward_peak_buffers(model, layout, stage, n_layers)
@@ -558,6 +595,7 @@ def estimate(
             param_buffer_bytes=buffers.parameters,
             overhead_bytes=CUDA_OVERHEAD_BYTES if layout.device == "cuda" else 0.0,
             fp8_bytes=fp8.held,
+            host_bytes=host,
             microbatches_in_flight=microbatches_in_flight(layout, stage),
             activation_bytes_per_layer=layout_layer_bytes(model, layout, profile) if n_layers else 0.0,
             activation_bytes_other=other_saved_bytes(model, layout, stage, profile),

@@ -36,7 +36,7 @@ def explain_impossible(
     p_b, g_b, m_b, o_b = bytes_per_param(precision)
     n = total_params(model)
     state_gib = n * (p_b + g_b + m_b + o_b) / GiB
-    need = min_gpus(model, cluster, global_batch, precision)
+    need = min_gpus(model, cluster, global_batch, precision, features=result.features_searched)
     more = f"it needs at least {need} GPUs of this type (--gpus {need})" if need else "no GPU count up to 65536 fits it"
     return (
         f"{head}: the leanest layout ({layout_text(lay)}) needs {mem / GiB:.1f} GiB per GPU and "
@@ -46,11 +46,14 @@ def explain_impossible(
     )
 
 
-def min_gpus(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str, limit: int = 65536) -> Optional[int]:
-    """The smallest power-of-two GPU count up to `limit` on which some memory-lean layout fits."""
+def min_gpus(
+    model: ModelConfig, cluster: Cluster, global_batch: int, precision: str, limit: int = 65536, features: bool = True
+) -> Optional[int]:
+    """The smallest power-of-two GPU count up to `limit` on which some memory-lean layout fits (``features``: with
+    its leanest memory features, as `tricorn plan` tries them)."""
     n = 1
     while n <= limit:
-        if lean_fit(model, dataclasses.replace(cluster, gpus=n), global_batch, precision):
+        if lean_fit(model, dataclasses.replace(cluster, gpus=n), global_batch, precision, features):
             return n
         n *= 2
     return None

@@ -24,17 +24,18 @@ No collectives, no device work.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Optional
 
 from tricorn.config import ModelConfig
-from tricorn.planning import calibration
+from tricorn.planning import calibration, memory_features
 from tricorn.planning.context_comm import CP_COMM_TYPES
 from tricorn.planning.flops import iteration_flops
 from tricorn.planning.hardware import GiB
 from tricorn.planning.layout import Layout
-from tricorn.planning.memory import estimate, total_params
+from tricorn.planning.memory import MemoryEstimate, estimate, total_params
 from tricorn.planning.step_time import Cluster, step_time
 
 CP_MIN_SEQ = 16384  # below this, CP's split attention costs more than its memory saving is worth
@@ -68,6 +69,7 @@ class Plan:
     why: str = ""
     interval: tuple[float, float] = (1.0, 1.0)  # p10, p90 multipliers of the predicted time
     extra: dict = field(default_factory=dict)
+    host_bytes: float = 0.0  # host memory per GPU of the offloaded state and activations
 
     def bounds(self, name: str) -> tuple[float, float]:
         """(p10, p90) of a figure: a time scales with the interval, a rate inversely."""
@@ -94,8 +96,15 @@ class Plan:
             decoder_last_pipeline_num_layers=lay.last_stage_layers,
             distributed_optimizer=lay.zero_stage > 0,
             zero_stage=lay.zero_stage,
+            memory_features=list(memory_features.features_of(lay)),
+            cpu_offloading_num_layers=lay.offload_layers,
+            optimizer_cpu_offload=lay.optimizer_offload,
+            exp_avg_dtype=lay.exp_avg_dtype,
+            exp_avg_sq_dtype=lay.exp_avg_sq_dtype,
+            fp8_param_gather=lay.fp8_param_gather,
             memory_bytes=self.memory_bytes,
             memory_gb=round(self.memory_bytes / GiB, 2),
+            host_memory_bytes=self.host_bytes,
         )
         for name in _INTERVAL_FIGURES:
             lo, hi = self.bounds(name)
@@ -258,11 +267,15 @@ def enumerate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int, p
         yield from group
 
 
-def worst_memory(model: ModelConfig, layout: Layout) -> float:
+def worst_estimate(model: ModelConfig, layout: Layout) -> MemoryEstimate:
     # The first stage (most microbatches in flight, embedding) or the last (logits) is the worst; with the
     # zero-bubble schedules the last (zb-h1: the most weight-gradient stores; zbv / dualpipev: the V's tip) or
     # the first (embedding and head of the V).
-    return estimate(model, layout, stages=(0, layout.pp - 1)).total_bytes
+    return estimate(model, layout, stages=(0, layout.pp - 1))
+
+
+def worst_memory(model: ModelConfig, layout: Layout) -> float:
+    return worst_estimate(model, layout).total_bytes
 
 
 # ---------------------------------------------------------------- planning
@@ -276,10 +289,13 @@ class PlanResult:
     leanest: Optional[tuple[Layout, float]]  # the layout needing least memory among those that did not fit
     ties: int = 0  # layouts within the interval of the fastest
     fastest: Optional[Plan] = None
+    plain: int = 0  # of ``fitting``: those that fit without memory features
+    skipped: int = 0  # micro-batch layouts not searched with memory features (too slow to matter: ``_with_features``)
+    features_searched: bool = False  # whether the layouts that did not fit were tried with memory features
 
 
-def evaluate(model: ModelConfig, lay: Layout, cluster: Cluster, global_batch: int, memory: float) -> Plan:
-    """The predicted figures of one layout, with the calibration's interval."""
+def evaluate(model: ModelConfig, lay: Layout, cluster: Cluster, global_batch: int, memory: float, host: float = 0.0) -> Plan:
+    """The predicted figures of one layout, with the calibration's interval; ``host``: its host memory per GPU."""
     t, breakdown = step_time(model, lay, cluster, global_batch)
     flops = iteration_flops(
         model,
@@ -293,14 +309,15 @@ def evaluate(model: ModelConfig, lay: Layout, cluster: Cluster, global_batch: in
     tokens = global_batch * model.seq_length / t
     p = Plan(lay, memory, t, tokens, tflops, tflops / cluster.peak_tflops, breakdown, hw, hw / cluster.peak_tflops)
     p.interval = calibration.interval()
+    p.host_bytes = host
     return p
 
 
-def _extra_work(lay: Layout) -> tuple[int, int]:
-    """Recompute and ZeRO-2/3 trade certain extra work for memory (ZeRO-1 costs nothing over plain DP)."""
-    return RECOMPUTE.index((lay.recompute, lay.recompute_modules if lay.recompute == "selective" else ("core_attn",))), max(
-        0, lay.zero_stage - 1
-    )
+def _extra_work(lay: Layout) -> tuple[int, int, int]:
+    """Memory features (memory_features.py), recompute and ZeRO-2/3 trade certain extra work - or, for bf16 moments,
+    numerics - for memory (ZeRO-1 costs nothing over plain DP)."""
+    recompute = RECOMPUTE.index((lay.recompute, lay.recompute_modules if lay.recompute == "selective" else ("core_attn",)))
+    return len(memory_features.features_of(lay)), recompute, max(0, lay.zero_stage - 1)
 
 
 def _preference(p: Plan) -> tuple:
@@ -318,8 +335,10 @@ def _why(p: Plan, best: Plan) -> str:
     a, b = p.layout, best.layout
     if _extra_work(a) != _extra_work(b):
         less = "less" if _extra_work(a) < _extra_work(b) else "more"
-        parts = [f"recompute {recompute_text(a)} vs {recompute_text(b)}"] if _extra_work(a)[0] != _extra_work(b)[0] else []
-        parts += [f"ZeRO-{a.zero_stage} vs ZeRO-{b.zero_stage}"] if _extra_work(a)[1] != _extra_work(b)[1] else []
+        mine, theirs = _extra_work(a), _extra_work(b)
+        parts = [f"memory features {features_text(a)} vs {features_text(b)}"] if mine[0] != theirs[0] else []
+        parts += [f"recompute {recompute_text(a)} vs {recompute_text(b)}"] if mine[1] != theirs[1] else []
+        parts += [f"ZeRO-{a.zero_stage} vs ZeRO-{b.zero_stage}"] if mine[2] != theirs[2] else []
         return f"tie with the fastest; {less} extra work ({', '.join(parts)})"
     for name, mine, theirs in (
         ("CP", a.cp, b.cp),
@@ -357,6 +376,9 @@ def rank(plans: list[Plan]) -> list[Plan]:
     return ties + rest
 
 
+FEATURE_MODES = ("auto", "all", "off")
+
+
 def plan(
     model: ModelConfig,
     cluster: Cluster,
@@ -365,29 +387,78 @@ def plan(
     top_k: int = 5,
     fp8: tuple[str, Optional[str]] = ("local", None),
     attention: Optional[Layout] = None,
+    features: str = "auto",
 ) -> PlanResult:
+    """Every layout that fits, ranked. ``features`` (memory_features.py): "auto" tries the memory features on the
+    layouts that do not fit as they are when fewer than ``top_k`` do; "all" always; "off" never."""
     fits: list[Plan] = []
-    considered, leanest = 0, None
+    considered = 0
+    estimate_of = functools.partial(worst_estimate, model)
+    pending: list[list[tuple[Layout, Optional[MemoryEstimate]]]] = []  # per group, the micro batches that did not fit
     for group in layout_groups(model, cluster, global_batch, precision, fp8, attention):
         considered += len(group)
-        for lay in group:  # memory grows with the micro batch: stop at the first that does not fit
-            mem = worst_memory(model, lay)
-            if mem > cluster.usable_bytes:
-                if leanest is None or mem < leanest[1]:
-                    leanest = (lay, mem)
+        for i, lay in enumerate(group):  # memory grows with the micro batch: the rest of the group waits for features
+            est = estimate_of(lay)
+            if est.total_bytes > cluster.usable_bytes:
+                pending.append([(lay, est)] + [(g, None) for g in group[i + 1 :]])
                 break
-            fits.append(evaluate(model, lay, cluster, global_batch, mem))
+            fits.append(evaluate(model, lay, cluster, global_batch, est.total_bytes, est.host_bytes))
+    plain = len(fits)
+    searched = features == "all" or (features == "auto" and plain < top_k)
+    skipped, leanest = _with_features(model, cluster, global_batch, top_k, pending, fits, estimate_of, searched)
     ranked = rank(fits)
     fastest = min(fits, key=lambda p: p.step_time_s) if fits else None
-    return PlanResult(ranked[:top_k], considered, len(fits), leanest, sum(p.tie for p in ranked), fastest)
+    result = PlanResult(ranked[:top_k], considered, len(fits), leanest, sum(p.tie for p in ranked), fastest, plain, skipped)
+    result.features_searched = searched
+    return result
 
 
-def lean_fit(model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16") -> Optional[tuple[Layout, float]]:
+def _with_features(model, cluster, global_batch, top_k, pending, fits, estimate_of, searched: bool):
+    """The layouts that do not fit as they are, with memory features (memory_features.py) when ``searched``:
+    appended to ``fits``. Returns (micro-batch layouts not searched, the leanest need among those that fit with
+    nothing). A feature never makes a step faster but for bf16 moments' lighter AdamW and FP8 weights' lighter
+    gather, so a layout's time with those two bounds all its variants: one that could not be the fastest, and
+    would sort after top-k featureless ties or after top-k faster plans, is not searched."""
+    host_usable = cluster.gpu.host_memory_bytes * memory_features.HOST_MEMORY_FRACTION
+    lo, hi = calibration.interval()
+    skipped, leanest = 0, None
+    for tail in pending:
+        for lay, est in tail:
+            est = est or estimate_of(lay)
+            if not searched:
+                leanest = _leaner(leanest, lay, est.total_bytes)
+                break
+            if len(fits) >= top_k:
+                times = sorted(p.step_time_s for p in fits)
+                bound = step_time(model, memory_features.fastest_variant(lay), cluster, global_batch)[0]
+                plain_ties = sum(p.step_time_s * lo <= times[0] * hi and not memory_features.features_of(p.layout) for p in fits)
+                can_tie = bound * lo <= times[0] * hi
+                if bound >= times[0] and (plain_ties >= top_k or (not can_tie and bound >= times[top_k - 1])):
+                    skipped += 1
+                    continue
+            found, lean = memory_features.variants(model, lay, cluster.usable_bytes, host_usable, estimate_of)
+            if not found:  # the leanest need, with or without the features
+                leanest = _leaner(_leaner(leanest, lay, est.total_bytes), lean[0], lean[1].total_bytes)
+                break
+            fits += [evaluate(model, v, cluster, global_batch, e.total_bytes, e.host_bytes) for v, e in found]
+    return skipped, leanest
+
+
+def _leaner(leanest: Optional[tuple[Layout, float]], lay: Layout, mem: float) -> tuple[Layout, float]:
+    return (lay, mem) if leanest is None or mem < leanest[1] else leanest
+
+
+def lean_fit(
+    model: ModelConfig, cluster: Cluster, global_batch: int, precision: str = "bf16", features: bool = False
+) -> Optional[tuple[Layout, float]]:
     """Some layout on at most ``cluster.gpus`` GPUs that fits, searching only the memory-lean corner.
 
     Full recompute, micro batch 1, ZeRO-3 without PP or ZeRO-1 with PP in (2, 4, 8), every TP and every DP
-    that divides the global batch. The candidate set only grows with the GPU count, so fitting is monotone.
+    that divides the global batch; with ``features`` also each one's leanest memory features (optimizer offload,
+    every layer offloaded: memory_features.leanest_variant). The candidate set only grows with the GPU count, so
+    fitting is monotone.
     """
+    host_usable = cluster.gpu.host_memory_bytes * memory_features.HOST_MEMORY_FRACTION
     pps = [pp for pp in (1, 2, 4, 8) if model.num_layers % pp == 0]
     dps = sorted(divisors(global_batch), reverse=True)
     for tp in sorted(valid_tps(model, cluster.gpus_per_node), reverse=True):
@@ -409,6 +480,11 @@ def lean_fit(model: ModelConfig, cluster: Cluster, global_batch: int, precision:
                 mem = worst_memory(model, lay)
                 if mem <= cluster.usable_bytes:
                     return lay, mem
+                if features:
+                    lean = memory_features.leanest_variant(model, lay)
+                    est = worst_estimate(model, lean)
+                    if memory_features.fits(est, cluster.usable_bytes, host_usable):
+                        return lean, est.total_bytes
     return None
 
 
@@ -472,8 +548,15 @@ def layout_text(lay: Layout) -> str:
     return (
         f"TP {lay.tp}, PP {lay.pp}{split}, VPP {lay.vpp}, CP {lay.cp}{f' ({lay.cp_comm_type})' if lay.cp > 1 else ''}, DP {lay.dp}{f' (EP {lay.ep})' if lay.ep > 1 else ''}, "
         f"micro batch {lay.micro_batch}, "
-        f"{zero}, recompute {recompute_text(lay)}" + (f", schedule {lay.schedule}" if lay.schedule != "1f1b" else "")
+        f"{zero}, recompute {recompute_text(lay)}"
+        + (f", schedule {lay.schedule}" if lay.schedule != "1f1b" else "")
+        + (f", memory features {features_text(lay)}" if memory_features.features_of(lay) else "")
     )
+
+
+def features_text(lay: Layout) -> str:
+    """The memory features of a layout, comma-separated, or "none" (memory_features.py)."""
+    return ",".join(memory_features.features_of(lay)) or "none"
 
 
 def recompute_text(lay: Layout) -> str:

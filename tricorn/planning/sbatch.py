@@ -357,4 +357,25 @@ def layout_args(layout, global_batch: int) -> list[str]:
             args += ["--zero-stage", str(layout.zero_stage)]
     if layout.dp * layout.cp > 1:
         args.append("--overlap-grad-reduce")
+    return args + memory_feature_args(layout)
+
+
+def memory_feature_args(layout) -> list[str]:
+    """pretrain_gpt.py flags of a Layout's memory features (planning/memory_features.py)."""
+    args = []
+    dtypes = dict(main_params_dtype=layout.main_params_dtype, exp_avg_dtype=layout.exp_avg_dtype)
+    dtypes["exp_avg_sq_dtype"] = layout.exp_avg_sq_dtype
+    if layout.grads_16bit:
+        dtypes["main_grads_dtype"] = "bf16"
+    low = {k: v for k, v in dtypes.items() if v != "fp32"}
+    if low:
+        args.append("--use-precision-aware-optimizer")
+        for key, value in low.items():
+            args += ["--" + key.replace("_", "-"), value]
+    if layout.fp8_param_gather:
+        args.append("--fp8-param-gather")
+    if layout.offload_layers:
+        args += ["--cpu-offloading-num-layers", str(layout.offload_layers)]
+    if layout.optimizer_offload:
+        args.append("--optimizer-cpu-offload")
     return args

@@ -30,7 +30,10 @@ runs by tricorn/planning/calibration.py and stored in tricorn/planning/data/step
 - EP (MoE): the all_to_alls of ``ep_all_to_all_bytes`` (each token once per other rank holding one of its
   experts) at the rate of the ep group's link, not overlapped; the MoE MLP's GEMMs are those of the k active
   experts (``mlp_width_per_rank``).
-- optimizer: AdamW streams ~OPTIMIZER_BYTES_PER_PARAM bytes per (sharded) parameter through HBM.
+- optimizer: AdamW streams ~32 bytes per (sharded) parameter through HBM, fewer with 16-bit moments or masters
+  (--use-precision-aware-optimizer); with --optimizer-cpu-offload the host steps instead (host_time.py).
+- activation offload (host_time.py, an assumption, not calibrated): its copies to and from host show where they
+  outlast the compute beside them.
 No collectives, no device work.
 """
 
@@ -44,6 +47,7 @@ from tricorn.config import ModelConfig
 from tricorn.planning.context_comm import cp_traffic
 from tricorn.planning.efficiency import Efficiency, efficiency_for
 from tricorn.planning.hardware import GPUSpec
+from tricorn.planning.host_time import activation_offload_seconds, offloaded_optimizer_seconds, optimizer_hbm_bytes
 from tricorn.planning.layout import Layout
 from tricorn.planning.memory import (
     FP8_PARAM_BYTES,
@@ -55,7 +59,6 @@ from tricorn.planning.memory import (
 
 HALF_DIM = 128  # a GEMM or attention block this small in its smallest dimension runs at half its large-size speed
 ELEMENTWISE_OVERHEAD = 0.15
-OPTIMIZER_BYTES_PER_PARAM = 32
 
 
 @dataclass(frozen=True)
@@ -296,7 +299,12 @@ def step_time(
     head = _head_time(model, lay, cluster)
     counts = stage_layer_counts(model.num_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
     head_at = lay.head_stage if len(counts) == lay.pp else len(counts) - 1
-    stage_times = [c * per_layer + (head if i == head_at else 0.0) for i, c in enumerate(counts)]
+    # Activation offload: what each stage's copies to and from host do not hide behind its compute (host_time.py).
+    offload = [
+        activation_offload_seconds(model, lay, cluster.gpu, i, c, layer.fwd, layer.total - layer.fwd)
+        for i, c in enumerate(counts)
+    ]
+    stage_times = [c * per_layer + (head if i == head_at else 0.0) + offload[i] for i, c in enumerate(counts)]
     slowest = max(range(len(counts)), key=lambda i: stage_times[i])
     per_mb = stage_times[slowest]
     m, v = lay.num_microbatches, lay.vpp
@@ -310,10 +318,14 @@ def step_time(
     dp = _dp_time(model, lay, cluster, features, layer, max(counts), per_mb)
     opt_shard = lay.dp * lay.cp if lay.zero_stage else 1
     params = stage_params_per_rank(model, lay, 0, max(counts))
-    optimizer = params * OPTIMIZER_BYTES_PER_PARAM / opt_shard / cluster.gpu.hbm_bytes_per_s
+    if lay.optimizer_offload:  # the host steps: gradients down, AdamW on the host, the new values back
+        optimizer = offloaded_optimizer_seconds(lay, cluster.gpu, params / opt_shard)
+    else:
+        optimizer = params * optimizer_hbm_bytes(lay) / opt_shard / cluster.gpu.hbm_bytes_per_s
     total = per_mb * m + bubble + p2p + dp + optimizer
     breakdown = dict(
-        compute_s=m * (layers * layer.total + (per_mb - layers * per_layer)),
+        compute_s=m * (layers * layer.total + (per_mb - layers * per_layer - offload[slowest])),
+        offload_exposed_s=m * offload[slowest],
         tp_comm_s=m * layers * layer.tp_comm,
         cp_exposed_s=m * layers * layer.cp_exposed,
         ep_all_to_all_s=m * layers * layer.ep_comm,

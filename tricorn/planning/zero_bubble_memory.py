@@ -54,9 +54,9 @@ from tricorn.planning.activations import (
     embedding_backward_bytes,
     loss_part_bytes,
     moe_copies,
-    stage_activation_bytes,
 )
 from tricorn.planning.layout import Layout
+from tricorn.planning.stage_activations import stage_activation_bytes
 
 
 @dataclass(frozen=True)
@@ -207,11 +207,12 @@ def zero_bubble_activation_peak(
     per_chunk = layers // chunks
     ids = _ids_bytes(layout) * _tokens(model, layout)
     held, rebuilt, store, excess, loss = [], [], [], [], []
-    # Both chunks hold the same layer count: one microbatch's layers (under full recompute the stored inputs,
-    # and the group a B rebuilds).
-    rebuild = stage_activation_bytes(model, layout, stage, per_chunk, profile, in_flight=0)
-    chunk_held = stage_activation_bytes(model, layout, stage, per_chunk, profile, in_flight=1) - rebuild
     for c in range(chunks):
+        # One microbatch's layers from F to B (under full recompute the stored inputs; with offload what stays on
+        # the device, where the chunk's received input stays); a B rebuilds a group, and brings offloaded units back.
+        received = 0 if is_first_stage(stage, c) else 1
+        rebuild = stage_activation_bytes(model, layout, stage, per_chunk, profile, 0, chunks=1, received=received)
+        chunk_held = stage_activation_bytes(model, layout, stage, per_chunk, profile, 1, chunks=1, received=received) - rebuild
         head = is_last_stage(stage, c, layout.pp, chunks, placement)
         start = virtual_stage(stage, c, layout.pp, placement) * per_chunk if placement == V else first_layer
         ids_c = range(start, start + per_chunk)  # which layers: MoE layers have fewer deferred linears

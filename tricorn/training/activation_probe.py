@@ -5,7 +5,8 @@ Measured. ``ActivationProbe`` wraps every forward of the model chunks in
 (views of one storage are counted once), attributed to the transformer layer running when it was first
 saved, or to "other" (embedding, final norm, head, loss). Parameters and buffers are not activations and are
 skipped. Sizes are read when the chunk's forward ends, so storage freed during forward (selective "norm"
-recompute) counts as the 0 bytes it then holds. Under ``torch.utils.checkpoint`` only what the checkpoint
+recompute) counts as the 0 bytes it then holds; storage that an offloaded layer (parallel/offload.py) moves
+to host memory during forward counts at its size when saved (offload tells the probe of each tensor it takes). Under ``torch.utils.checkpoint`` only what the checkpoint
 keeps - its inputs - reaches the probe: with full recompute a layer measures its input. Each saved tensor is
 handed to autograd inside a small holder whose release (when backward frees the graph) tells the probe
 which microbatches still hold activations: the peak of that count is ``peak_microbatches_in_flight``.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -29,7 +31,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-_LOCK = threading.Lock()  # holders are released from autograd's thread too
+from tricorn.parallel import offload
+
+_LOCK = threading.RLock()  # holders are released from autograd's thread too (and storage deaths during a count)
 
 
 @dataclass
@@ -41,7 +45,9 @@ class ForwardRecord:
     layer_bytes: dict[str, int] = field(default_factory=dict)  # global layer id -> bytes
     other_bytes: int = 0
     live: int = 0  # saved tensors autograd still holds
-    storages: dict[int, tuple[str, Any]] = field(default_factory=dict, repr=False)  # storage id -> (region, storage)
+    # storage id -> (region, weak reference, bytes when saved); a storage that dies before the forward ends (an
+    # offloaded layer's, parallel/offload.py) is counted at its saved size and its id freed for reuse.
+    storages: dict[int, tuple[str, Any, int]] = field(default_factory=dict, repr=False)
 
     @property
     def total_bytes(self) -> int:
@@ -53,7 +59,7 @@ class _Held:
 
     __slots__ = ("tensor", "probe", "record")
 
-    def __init__(self, tensor: torch.Tensor, probe: ActivationProbe, record: ForwardRecord):
+    def __init__(self, tensor: Optional[torch.Tensor], probe: ActivationProbe, record: ForwardRecord):
         self.tensor, self.probe, self.record = tensor, probe, record
         probe._hold(record)
 
@@ -103,6 +109,7 @@ class ActivationProbe:
     # ------------------------------------------------------------ hooks
 
     def attach(self) -> ActivationProbe:
+        offload.OBSERVERS.append(self.observe)
         for c, chunk in enumerate(self.chunks):
             self._handles.append(chunk.register_forward_pre_hook(lambda _m, _a, c=c: self._begin(c)))
             self._handles.append(chunk.register_forward_hook(lambda _m, _a, _o: self._end(), always_call=True))
@@ -114,6 +121,8 @@ class ActivationProbe:
         return self
 
     def detach(self) -> None:
+        if self.observe in offload.OBSERVERS:
+            offload.OBSERVERS.remove(self.observe)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -148,13 +157,11 @@ class ActivationProbe:
             return
         self._hooks_ctx.pop().__exit__(None, None, None)
         record, self._current = self._current, None
-        for region, storage in record.storages.values():
-            nbytes = storage.nbytes()
-            if region == "other":
-                record.other_bytes += nbytes
-            else:
-                record.layer_bytes[region] = record.layer_bytes.get(region, 0) + nbytes
-        record.storages = {}  # sizes are taken; keep no references beyond autograd's own
+        with _LOCK:
+            for region, ref, saved in record.storages.values():
+                storage = ref()
+                _count(record, region, storage.nbytes() if storage is not None else saved)
+            record.storages = {}  # sizes are taken
         for layer_id in getattr(self.chunks[record.chunk], "layers", {}):
             record.layer_bytes.setdefault(layer_id, 0)
         self.records.append(record)
@@ -163,13 +170,31 @@ class ActivationProbe:
             self.peak_activation_bytes = max(self.peak_activation_bytes, live)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        return self._note(tensor, tensor)
+
+    def observe(self, tensor: torch.Tensor) -> Any:
+        """Count a tensor another saved-tensor hook takes (an offloaded layer's): the returned token, held as long
+        as that hook's handle, stands in for the tensor (the probe keeps no reference to it)."""
+        return self._note(tensor, None)
+
+    def _note(self, tensor: torch.Tensor, keep: Optional[torch.Tensor]) -> Any:
         record = self._current
         storage = tensor.untyped_storage()
-        key = storage._cdata  # the StorageImpl: unique while we hold it, unlike a data pointer freed and reused
+        key = storage._cdata  # the StorageImpl: unique while it lives (a dead one's id is dropped, see below)
         if record is None or key in self._skip or storage.nbytes() == 0 or isinstance(tensor, nn.Parameter):
-            return _Plain(tensor)
-        record.storages.setdefault(key, (self._region, storage))
-        return _Held(tensor, self, record)
+            return _Plain(keep)
+        with _LOCK:
+            if key not in record.storages:
+                region = self._region
+
+                def died(_ref: Any, record: ForwardRecord = record, key: int = key, region: str = region) -> None:
+                    with _LOCK:
+                        entry = record.storages.pop(key, None)
+                        if entry is not None:
+                            _count(record, region, entry[2])
+
+                record.storages[key] = (region, weakref.ref(storage, died), storage.nbytes())
+        return _Held(keep, self, record)
 
     def _hold(self, record: ForwardRecord) -> None:
         with _LOCK:
@@ -242,8 +267,15 @@ class _Plain:
 
     __slots__ = ("tensor",)
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: Optional[torch.Tensor]):
         self.tensor = tensor
+
+
+def _count(record: ForwardRecord, region: str, nbytes: int) -> None:
+    if region == "other":
+        record.other_bytes += nbytes
+    else:
+        record.layer_bytes[region] = record.layer_bytes.get(region, 0) + nbytes
 
 
 __all__ = [

@@ -84,6 +84,7 @@ def build(cfg: Config, state):
     from tricorn.parallel.compile import apply_compile
     from tricorn.parallel.context import apply_context_parallel
     from tricorn.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
+    from tricorn.parallel.offload import apply_offload
     from tricorn.parallel.optimizer import Optimizer
     from tricorn.parallel.pipeline.build import build_model_chunks
     from tricorn.parallel.pipeline.executor import PipelineExecutor
@@ -113,6 +114,7 @@ def build(cfg: Config, state):
     # --torch-compile: each layer's forward compiled (before recompute, whose checkpoints wrap the compiled layer)
     apply_compile(chunks, cfg.model.torch_compile)
     apply_recompute(chunks, cfg.model)  # --recompute-granularity: checkpoint layers / modules in place
+    apply_offload(chunks, cfg, state.device)  # --cpu-offloading-num-layers: around the recompute wrappers
     for chunk in chunks:
         cast_params(chunk, cfg)
     if cfg.training.fp8_format and cfg.model.transformer_impl == "transformer_engine":

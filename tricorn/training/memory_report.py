@@ -16,9 +16,9 @@ Activations (activation_probe.py, saved-tensor hooks during iteration 1): activa
 activation_bytes_other (embedding, head, loss) per microbatch, and peak_microbatches_in_flight.
 
 Every storage counts once (by data pointer), in the first category that holds
-it, at its full allocated size (padding included). When training on a GPU,
-tensors in host memory (--optimizer-cpu-offload) are reported as host_bytes
-rather than in the four device categories.
+it, at its full allocated size (padding included). Tensors in host memory
+(--optimizer-cpu-offload; on a CPU run, what tricorn/pinned.py registers as host)
+are reported as host_bytes rather than in the four device categories.
 
 Output: memory_report.json - a JSON list, one entry per rank - written
 atomically into --tensorboard-dir, else the --save dir, else nowhere; rank 0
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tricorn import pinned
 from tricorn.config import Config
 from tricorn.parallel.state import ParallelState
 from tricorn.training.activation_probe import trainer_report_entry
@@ -59,7 +60,7 @@ def measure(tensors: dict[str, list[torch.Tensor]], device: torch.device) -> dic
             if storage.nbytes() == 0 or where in seen:
                 continue
             seen.add(where)
-            on_device = t.device.type == device.type
+            on_device = t.device.type == device.type and pinned.host_kind(t) is None  # a CPU run registers host memory
             out[key if on_device else "host_bytes"] += storage.nbytes()
     return out
 

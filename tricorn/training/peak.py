@@ -7,7 +7,8 @@ active. Storages alive when tracking starts (``existing`` tensors: the model sta
 At the highest total the bytes are split by kind: a storage held by one of the optimizer's model-state
 tensors at that moment is params / grads / master_params / optimizer_state (ZeRO-3's gathered layers are
 params, ZeRO-2/3's transient gradient buckets are grads); everything else - saved activations, logits,
-pipeline buffers, temporaries - is activations.
+pipeline buffers, temporaries - is activations. Host memory is not counted: on a CPU run, what tricorn/pinned.py
+registers as host (the offloaded optimizer state, offloaded activations, made by ``pinned.host_empty``).
 
 Why not torch's MemTracker: it sorts memory by module and autograd phase (parameter, gradient, activation,
 temporary, optimizer), not by the estimator's kinds, and it has no notion of master copies or DP buckets.
@@ -27,6 +28,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from tricorn import pinned
 
 KINDS = ("params_bytes", "grads_bytes", "master_params_bytes", "optimizer_state_bytes", "activations_bytes")
 
@@ -52,6 +55,8 @@ class PeakTracker(TorchDispatchMode):
 
     def _track(self, t: torch.Tensor) -> None:
         if t.device.type == "meta":  # shapes only (a model being built on meta): no memory
+            return
+        if pinned.host_kind(t) is not None:  # host memory on CUDA (offloaded state or activations): not the device's
             return
         st = t.untyped_storage()
         key, nbytes = st._cdata, st.nbytes()
@@ -99,6 +104,8 @@ class PeakTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if pinned.allocating_host():  # a host buffer being made (pinned.host_empty): registered as host right after
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._track(t)
