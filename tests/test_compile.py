@@ -48,8 +48,8 @@ MOE = with_flag(BASE_FLAGS, "--micro-batch-size", "1") + "--num-experts 4 --disa
 PRECISION_RTOL = {"--bf16": 2.0**-8, "--fp16": 2.0**-11}
 
 LAYOUTS = {  # name: (ranks, flags added to FLAGS)
-    "tp2-bf16": (2, ["--tensor-model-parallel-size", "2", "--bf16"]),
-    "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    # TP2 with SP in bf16: one compile of TP2's shapes covers both the sequence-parallel collectives and bf16.
+    "tp2-sp-bf16": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]),
     "pp2-full-recompute": (2, ["--pipeline-model-parallel-size", "2"] + FULL),
     "dp2-distopt-selective-recompute-fp16": (
         2,
