@@ -29,7 +29,7 @@ from tricorn import pinned
 from tricorn.config import ModelConfig
 from tricorn.host_reads import HostReadCounter
 from tricorn.model.transformer import GPTModel
-from tricorn.parallel.offload import StreamOps, apply_offload
+from tricorn.parallel.offload import StreamOps, _Group, apply_offload
 from tricorn.parallel.recompute import RecomputePlan, apply_recompute
 from tricorn.planning.activations import TRICORN
 from tricorn.planning.layout import Layout
@@ -230,6 +230,15 @@ def test_cuda_path_copies_on_the_side_stream_without_host_waits():
     # The device storages offloaded are marked used by the side stream; those brought back, by the compute stream.
     marked = [e[2] for e in j if e[0] == "record_stream"]
     assert marked.count(side) == marked.count(recorder.compute) > 0
+
+
+def test_a_tensor_already_off_the_compute_device_stays_where_it_is():
+    """A host tensor that an offloaded layer of a GPU run saves stays as it is: offloaded, it would come back on the
+    GPU. Here the layer's device is meta (no GPU on CI) and the saved tensor a CPU one."""
+    group = _Group(SimpleNamespace(streams=None, skip=set()), torch.device("meta"))
+    host = torch.arange(4)
+    handle = group.pack(host)
+    assert group.stored == {} and _Group.unpack(handle) is host
 
 
 # ---------------------------------------------------------------- the trainer

@@ -228,8 +228,11 @@ class _Group:
             or isinstance(t, nn.Parameter)
             or (t.is_leaf and t.requires_grad)
             or t.device.type == "meta"
+            or t.device != self.device
         ):
-            return (t, tokens)  # kept where it is: parameters, the stage's received input, empty storages
+            # kept where it is: parameters, the stage's received input, empty storages, and tensors already off the
+            # compute device (a host tensor saved on a GPU run would otherwise come back on the GPU)
+            return (t, tokens)
         stored = self.stored.get(storage._cdata)
         if stored is None:
             stored = self.stored[storage._cdata] = _Stored(_flat(t), self.streams)
