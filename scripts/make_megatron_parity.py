@@ -19,7 +19,8 @@ torch with `model_optim_rng.pt` and `distrib_optim.pt`, one bucketed with --over
 Stored per case `CASE/`: `megatron/` (Megatron's --save directory, holding iteration K only) and `run.json`:
 Megatron's argv (paths relative to this directory, so the fixtures move with the checkout), and per iteration
 the lm loss and grad norm Megatron logged, the lr the iteration's optimizer step used (`lr`) and the lr Megatron
-logged (`lr_logged`: after its scheduler step, the next iteration's). Cases marked `iteration0` also save the
+logged (`lr_logged`: after its scheduler step, the next iteration's), and each evaluation's validation loss
+(`validation`, empty where the case does not evaluate). Cases marked `iteration0` also save the
 initial weights, before iteration 1, as `CASE/iteration0/` (Megatron's save_checkpoint at iteration 0 with
 --no-save-optim semantics: model only, no optimizer or scheduler state).
 tests/test_megatron_parity.py imports these checkpoints and trains on in tricorn, without importing megatron.
@@ -89,6 +90,9 @@ CASES: dict[str, tuple[int, list[str], bool]] = {
     "llama_dp1_distopt": (1, LLAMA + DISTOPT, False),  # torch_dist, dp_reshardable: Megatron's defaults
     "llama_dp1_fully": (1, LLAMA + DISTOPT + ["--dist-ckpt-optim-fully-reshardable"], False),
     "llama_dp1_torch": (1, LLAMA + ["--ckpt-format", "torch"], False),
+    # Evaluation at iterations 5 and 10 and after training (3 batches each): Megatron's validation losses, over
+    # batches whose pad tokens make their valid-token counts differ.
+    "llama_dp1_eval": (1, LLAMA + ["--ckpt-format", "torch_dist", "--eval-interval", "5", "--eval-iters", "3"], True),
     "llama_dp1_torch_distopt": (1, LLAMA + DISTOPT + ["--ckpt-format", "torch"], False),
     "gpt_dp2": (2, GPT, True),
     # several buckets per buffer: --overlap-grad-reduce closes a bucket once it holds 3000 elements
@@ -195,15 +199,25 @@ def pretrain_patches():
 
 
 @contextlib.contextmanager
-def recorder(iterations: list[dict], iteration0: str):
+def recorder(iterations: list[dict], iteration0: str, validations: list[dict]):
     """Record each iteration's lm loss, grad norm and lr (used, and logged) through Megatron's own train_step and
-    training_log; save the initial weights as iteration 0 (model only) when `iteration0` names a directory."""
+    training_log, and each evaluation's lm loss (after the last logged iteration) through its evaluate; save the
+    initial weights as iteration 0 (model only) when `iteration0` names a directory."""
     import megatron.training.training as training
     from megatron.training.checkpointing import save_checkpoint
     from megatron.training.global_vars import get_args
 
     train, train_step, training_log = training.train, training.train_step, training.training_log
+    evaluate = training.evaluate
     used: list[float] = []
+
+    def evaluate_wrapper(*args, **kwargs):
+        result = evaluate(*args, **kwargs)
+        losses = result[0]
+        if losses and "lm loss" in losses:  # the last pipeline stage's figure
+            after = iterations[-1]["iteration"] if iterations else 0
+            validations.append({"iteration": after, "loss": float(losses["lm loss"])})
+        return result
 
     def train_wrapper(forward_step_func, model, optimizer, scheduler, *rest, **kwargs):
         if iteration0:
@@ -237,10 +251,12 @@ def recorder(iterations: list[dict], iteration0: str):
         )
 
     training.train, training.train_step, training.training_log = train_wrapper, train_step_wrapper, training_log_wrapper
+    training.evaluate = evaluate_wrapper
     try:
         yield
     finally:
         training.train, training.train_step, training.training_log = train, train_step, training_log
+        training.evaluate = evaluate
 
 
 def _rank(rank: int, world: int, argv: list[str], workdir: str, port: int, megatron_lm: str, record: str, iteration0: str):
@@ -251,10 +267,12 @@ def _rank(rank: int, world: int, argv: list[str], workdir: str, port: int, megat
     log = open(Path(workdir) / f"rank{rank}.log", "w")
     sys.stdout = sys.stderr = log
     iterations: list[dict] = []
-    with pretrain_patches(), recorder(iterations, iteration0):
+    validations: list[dict] = []
+    with pretrain_patches(), recorder(iterations, iteration0, validations):
         sys.argv = ["pretrain_gpt.py", *argv]
         runpy.run_path(str(Path(megatron_lm) / "pretrain_gpt.py"), run_name="__main__")
     Path(f"{record}.{rank}").write_text(json.dumps(iterations))  # the loss is known on the last pipeline stage
+    Path(f"{record}.valid.{rank}").write_text(json.dumps(validations))
 
 
 def run_case(name: str, out: Path, megatron_lm: Path) -> None:
@@ -283,6 +301,7 @@ def run_case(name: str, out: Path, megatron_lm: Path) -> None:
         raise
     ranks = [json.loads(Path(f"{record}.{r}").read_text()) for r in range(world)]
     iterations = next(r for r in ranks if all(i["loss"] is not None for i in r))
+    validation = max((json.loads(Path(f"{record}.valid.{r}").read_text()) for r in range(world)), key=len)
     assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), iterations
     assert not any(r["skipped"] for r in iterations), "megatron skipped a step"
     clipped = [r["iteration"] for r in iterations if r["grad_norm"] > CLIP_GRAD]
@@ -301,6 +320,7 @@ def run_case(name: str, out: Path, megatron_lm: Path) -> None:
         "save_iteration": SAVE_ITERATION,
         "clipped_iterations": clipped,
         "iterations": iterations,
+        "validation": validation,  # each evaluation's lm loss, after the iteration it follows
     }
     (work / "run.json").write_text(json.dumps(run, indent=1))
     shutil.rmtree(work / CORPUS, ignore_errors=True)  # Megatron's dataset index cache, CORPUS/cache

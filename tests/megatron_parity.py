@@ -120,6 +120,14 @@ def differences(records: list[dict], run: dict) -> list[Difference]:
     return out
 
 
+def validation_differences(records: list[dict], run: dict) -> list[tuple[int, int, float]]:
+    """(our iteration, Megatron's, relative difference) per evaluation, in order. Megatron's list also holds its two
+    evaluations after training (validation, then test split), which tricorn does not run: ours pair with its first."""
+    ours = [(r["iteration"], r["valid_loss"]) for r in records if "valid_loss" in r]
+    theirs = [(v["iteration"], v["loss"]) for v in run["validation"]]
+    return [(i, j, abs(loss - m) / abs(m)) for (i, loss), (j, m) in zip(ours, theirs)]
+
+
 def first_above(diffs: list[Difference], bound: float) -> Optional[int]:
     """The first iteration whose loss differs from Megatron's by more than `bound` (relative), or None."""
     return next((d.iteration for d in diffs if d.loss > bound), None)

@@ -31,6 +31,7 @@ from megatron_parity import (
     differences,
     import_case,
     megatron_run,
+    validation_differences,
     workdir,
 )
 
@@ -116,6 +117,22 @@ def test_from_megatrons_initial_weights_tricorn_follows_megatrons_curve(tmp_path
     rebuilt from the args at sample 0), tricorn's iterations 1..N equal Megatron's, warm-up included."""
     run = continue_in_tricorn(case, tmp_path, nproc, source="iteration0")
     assert_follows_megatron(run, case, 1)
+
+
+def test_validation_losses_are_megatrons(tmp_path):
+    """Megatron evaluates at iterations 5 and 10 (3 batches each, the validation iterator running on) and divides
+    the evaluation's summed token losses by its summed valid tokens; the corpus's pad tokens give the batches
+    different valid counts, so a mean of the batches' means is another figure. From Megatron's initial weights
+    (eval flags carried by megatron.yaml), tricorn's validation losses equal Megatron's. Megatron's two evaluations
+    after training (the validation split again, then the test split) tricorn does not run (docs/megatron.md)."""
+    case = "llama_dp1_eval"
+    run = continue_in_tricorn(case, tmp_path, source="iteration0")
+    assert_follows_megatron(run, case, 1)
+    assert [v["iteration"] for v in megatron_run(case)["validation"]] == [5, 10, 10, 10]
+    diffs = validation_differences(run.records, megatron_run(case))
+    assert [(i, j) for i, j, _ in diffs] == [(5, 5), (10, 10)], diffs
+    for i, _, diff in diffs:
+        assert diff <= FP32_RTOL, f"iteration {i}'s validation loss is {diff:.3g} (relative) off Megatron's"
 
 
 def test_megatrons_command_line_trains_unchanged(tmp_path):

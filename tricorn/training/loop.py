@@ -195,14 +195,19 @@ class Trainer:
         for chunk in self.chunks:
             chunk.eval()
         gbs, nmb = self.batch_sizes()
+        # Megatron's evaluate(): the token losses of every evaluation batch summed, over all their valid tokens (not
+        # a mean of the batches' means, which differs where batches hold different numbers of valid tokens).
         total = torch.zeros((), dtype=torch.float32, device=self.state.device)
+        tokens = torch.zeros((), dtype=torch.float32, device=self.state.device)
         for _ in range(self.cfg.data.eval_iters):
             microbatches = self._microbatches(self.valid_loader.next(gbs), nmb)
             ctx = self._step_context(microbatches, forward_only=True)
-            total += self._reduce_loss(self.forward_backward(self.chunks, microbatches, ctx))
+            # forward_only: each batch's loss is its token-loss sum over its valid tokens (ctx.num_tokens, all ranks)
+            total += self._reduce_loss(self.forward_backward(self.chunks, microbatches, ctx)) * ctx.num_tokens
+            tokens += ctx.num_tokens
         self.optimizer.release_gathered()  # ZeRO-3: a unit kept for its (absent) backward is freed
         self.logger.observe_evaluation(time.perf_counter() - start)  # the ETA counts the remaining evaluations
-        return total.item() / self.cfg.data.eval_iters  # one host read per evaluation
+        return (total / tokens.clamp(min=1)).item()  # one host read per evaluation
 
     def current_lr(self) -> float:
         """The lr of the next iteration (after the last scheduler step, as Megatron logs it): what a checkpoint records."""
