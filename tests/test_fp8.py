@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from badinput import assert_refused
 from fp8_reference import assert_gemm, dequantized
 from harness import BASE_FLAGS, assert_close, reference, run_layout, run_script, with_flag
 
 from tricorn.config_args import config_from_args
-from tricorn.parallel.fp8 import DTYPES, FP8Recipe, quantize, scale_for
+from tricorn.parallel.fp8 import DTYPES, FP8Recipe, quantize, scale_for, scaled_mm
 from tricorn.planning.memory import estimate_config
 
 E4M3, E5M2 = DTYPES["e4m3"], DTYPES["e5m2"]
@@ -62,6 +63,40 @@ def test_three_gemms_against_the_same_quantised_values(fmt, rowwise):
     assert_gemm(wr.grad, *wgrad, "wgrad")
     if rowwise:  # the recipe is not tensorwise in disguise: these operands quantise differently per row
         assert not torch.equal(fwd[0], dequantized(x, None, E4M3))
+
+
+@pytest.mark.parametrize("first", [E4M3, E5M2])
+def test_the_cpu_gemm_is_scaled_mms_product_and_fake_tensors_keep_scaled_mm(first):
+    """On real CPU tensors scaled_mm is dequantised_mm (torch's CPU `_scaled_mm` takes a scalar loop for an e4m3
+    first operand on some CPUs, ~1000x slower): the same float64-bounded product as `_scaled_mm`'s (assert_gemm's
+    bound, both ways), with rowwise scales too. Under fake tensors (`tricorn simulate`) it is `_scaled_mm` itself,
+    so the measured peak holds no fp32 operand copies that the GPU would not make."""
+    x, w, _ = _operands(2)
+    # rowwise (per row along the contraction), the case with the most scales; tensorwise is a single one of them
+    a_scale, b_scale = (
+        scale_for(x.float().abs().amax(1, keepdim=True), first),
+        scale_for(w.float().abs().amax(1, keepdim=True), E4M3),
+    )
+    a, b = quantize(x, a_scale, first), quantize(w, b_scale, E4M3).t()  # b column-major, as CUDA's layout needs
+    a_inv, b_inv = 1 / a_scale, (1 / b_scale).reshape(1, -1)
+    reference = (a.double() * a_inv.double(), b.double() * b_inv.double())
+    assert_gemm(scaled_mm(a, a_inv, b, b_inv), *reference, "dequantised_mm")
+    assert_gemm(torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16), *reference, "_scaled_mm")
+
+    class Calls(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode() as mode, Calls() as calls:
+        fake = [mode.from_tensor(t) for t in (a, a_inv, b, b_inv)]
+        out = scaled_mm(*fake)
+    assert out.dtype == torch.bfloat16 and out.shape == (a.shape[0], b.shape[1])
+    assert "_scaled_mm" in calls.names and "mm" not in calls.names, calls.names
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])

@@ -62,6 +62,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from tricorn.parallel.tensor import ColumnParallelLinear, RowParallelLinear, all_gather_dim, reduce_scatter_single
 
@@ -135,7 +136,20 @@ def scaled_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torc
     """(a / a_scale) @ (b / b_scale) in bf16; a_inv, b_inv are the reciprocal (dequantising) scales. (Not the
     out= variant: it has no meta kernel, so `tricorn simulate`'s fake tensors would run it for real.)"""
     _check_layout(a, b)
+    if a.device.type == "cpu" and not is_fake(a):
+        return dequantised_mm(a, a_inv, b, b_inv)
     return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16)
+
+
+def dequantised_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor) -> torch.Tensor:
+    """The CPU's FP8 GEMM: both operands dequantised to fp32 (exact: an FP8 value times a power of two), one fp32
+    GEMM, one rounding to bf16: the product torch 2.13's CPU `_scaled_mm` computes (within the same bound, and bit
+    for bit where it takes its fast path, as with an e5m2 first operand on CI's CPU). With an e4m3 first operand
+    some CPUs (Sapphire Rapids, AVX512-FP16) take its scalar reference loop instead, about 1000x slower (35 s for
+    one 1024^3 GEMM), which made FP8 runs on those CPUs unusable.
+    CUDA always calls `_scaled_mm`; fake tensors (`tricorn simulate`) too, so the measured peak holds no fp32
+    copies that the GPU would not make."""
+    return torch.mm(a.float() * a_inv, b.float() * b_inv).to(torch.bfloat16)
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
