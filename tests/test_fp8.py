@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from badinput import assert_refused
 from fp8_reference import assert_gemm, dequantized
 from harness import BASE_FLAGS, assert_close, reference, run_layout, run_script, with_flag
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tricorn.config_args import config_from_args
 from tricorn.parallel.fp8 import DTYPES, FP8Recipe, quantize, scale_for, scaled_mm
