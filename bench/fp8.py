@@ -5,8 +5,8 @@
    (e4m3 tensorwise, and hybrid rowwise), same init and tokens; prints the mean training loss of the last 10
    iterations and the validation loss of each, and their ratio to bf16.
 2. Time: forward + backward of one linear (tokens x in -> out) in bf16 and through the FP8 GEMMs; prints
-   the median of each and the ratio. On a CPU torch's _scaled_mm is a reference kernel (it dequantises and
-   multiplies), so the ratio is information, not a goal; on an H100 FP8 runs at twice bf16's peak.
+   the median of each and the ratio. On a CPU the FP8 GEMM is a dequantised fp32 GEMM (fp8.dequantised_mm),
+   so the ratio is information, not a goal; on an H100 FP8 runs at twice bf16's peak.
 
 Not a test: CI never times anything.
 
