@@ -1,6 +1,6 @@
 """The type and range of one config value, declared next to its field: the leaf under tricorn.config.
 
-A field's metadata (see tricorn.config._f) carries its flag's help, choices, nargs and `bound`, the
+A field's metadata (see flag_field) carries its flag's help, choices, nargs and `bound`, the
 allowed range. `yaml_type_error` types a YAML value like the flag would; `value_error` checks any
 value (from the flags, the YAML or code) against the field's type, choices and range. Pure Python:
 no torch, no I/O.
@@ -35,6 +35,14 @@ class Bound:
         if self.lo is not None:
             return f"{'greater than' if self.lo_open else 'at least'} {lo}"
         return f"{'less than' if self.hi_open else 'at most'} {hi}"
+
+
+def flag_field(default: Any, help: str, **meta: Any) -> Any:
+    """A dataclass field that also describes its command-line flag (`bound`: its allowed range)."""
+    meta["help"] = help
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
 
 
 def _num(x: Optional[float]) -> str:
