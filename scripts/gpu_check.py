@@ -49,21 +49,34 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # gpu_check_parts, beside this script
 
 import torch  # noqa: E402
+from gpu_check_parts import (  # noqa: E402
+    Check,
+    Guards,
+    NcclRefused,
+    _bf16,
+    _finite,
+    _free_port,
+    _ReadsAsSyncs,
+    _sync_errors,
+    _without_bf16,
+    context_line,
+    fp8_support,
+    tail_mean,
+)
 
 # Why these bounds: bf16 keeps 8 mantissa bits (relative roundoff 2^-9 ~ 2e-3 per op); a different GEMM
 # order moves each logit by a few of those, and over 50 steps of AdamW the runs drift apart like two seeds
@@ -93,31 +106,6 @@ SMOKE_MODEL = (
 )
 GQA = "--group-query-attention --num-query-groups 2"
 MOE = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 128"
-
-
-class Check:
-    def __init__(self, name: str, what: str):
-        self.name, self.what = name, what
-        self.status, self.detail, self.data = "PASS", "", {}
-
-    def fail(self, detail: str) -> None:
-        self.status, self.detail = "FAIL", detail
-
-    def skip(self, detail: str) -> None:
-        self.status, self.detail = "SKIP", detail
-
-    def line(self) -> str:
-        figures = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.data.items())
-        return f"{self.status} {self.name} {self.what}: {figures} {self.detail}".rstrip()
-
-
-@dataclass
-class Guards:
-    """Context managers a run enters: `step()` around every iteration, `quiet(trainer)` around each one after
-    the first (lazy initialisation) that does not log."""
-
-    step: Callable[[], Any] = contextlib.nullcontext
-    quiet: Callable[[Any], Any] = lambda _trainer: contextlib.nullcontext()
 
 
 class Runner:
@@ -199,36 +187,6 @@ class Runner:
             destroy_parallel()
 
 
-def tail_mean(losses: list[float]) -> float:
-    return statistics.fmean(losses[-10:])
-
-
-def _finite(x: float) -> bool:
-    return x == x and abs(x) != float("inf")
-
-
-def _without_bf16(model: str) -> str:
-    return " ".join(w for w in model.split() if w != "--bf16")
-
-
-def _bf16(model: str) -> str:
-    return model if "--bf16" in model.split() else model + " --bf16"
-
-
-# ---------------------------------------------------------------- the CUDA context, measured apart
-
-
-def context_line(context: Optional[Any]) -> str:
-    """The INFO line: the CUDA context measured apart (tricorn.training.measurements) next to the estimator's constant."""
-    from tricorn.planning.memory import CUDA_OVERHEAD_BYTES
-
-    constant = f"estimate_constant_mib={CUDA_OVERHEAD_BYTES / 2**20:.0f}"
-    if context is None:
-        return f"INFO c cuda-context: not measured on the CPU (the estimate has no constant for --device cpu); {constant}"
-    measured = f"measured_mib={context.bytes / 2**20:.0f}" if context.bytes is not None else "measured_mib=n/a"
-    return f"INFO c cuda-context: {measured} {constant} ({context.how})"
-
-
 # ---------------------------------------------------------------- checks
 
 
@@ -246,22 +204,6 @@ def check_speed(r: Runner, c: Check, base: dict) -> None:
         c.data["mfu_pct"] = 100 * mfu(flops, base["seconds"], 1, peak)
     if not all(map(_finite, base["losses"])):
         c.fail("loss not finite")
-
-
-def fp8_support(te: Any) -> tuple[bool, str]:
-    """Whether TE can run FP8 here, and why not: TE 1.x/2.x's fp8.check_fp8_support, or 2.x's is_fp8_available."""
-    try:
-        check = getattr(getattr(te, "fp8", None), "check_fp8_support", None)
-        if check is not None:
-            ok, reason = check()
-            return bool(ok), str(reason)
-        available = getattr(te, "is_fp8_available", None)
-        if available is not None:
-            ok, reason = available(return_reason=True)
-            return bool(ok), str(reason)
-    except Exception as e:
-        return False, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-    return False, "this Transformer Engine has no FP8 support query"
 
 
 # The FP8 engines of check b against local bf16: (label, flags, loss bound, engine). mxfp8 needs a Blackwell GPU.
@@ -333,16 +275,6 @@ def check_memory(r: Runner, c: Check, base: dict) -> None:
     c.data["error_pct"] = 100 * error
     if error > MEMORY_TOLERANCE:
         c.fail(f"estimate off by {100 * error:.1f}% (> {100 * MEMORY_TOLERANCE:.0f}%)")
-
-
-class NcclRefused(RuntimeError):
-    """NCCL would not run two ranks on one GPU; the message is NCCL's own line."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(r: Runner, nproc: int, extra: str, iters: Optional[int] = None, same_device: bool = False) -> list[dict]:
@@ -504,39 +436,6 @@ def check_attention_kernel(r: Runner, c: Check, base: dict) -> None:
     for name, extra in (("mha", ""), ("gqa", GQA)):
         run = r.train(extra, iters=6, model=_bf16(r.small), guards=Guards(step=fast_kernels_only))
         c.data[f"{name}_last_loss"] = run["losses"][-1]
-
-
-class _ReadsAsSyncs:
-    """--cpu-smoke's stand-in for set_sync_debug_mode("error"): a host read in the block raises on exit, except
-    MoE's per-expert loop reading its row counts (model/moe.py read_counts), the one read the CPU path (no grouped
-    GEMM there) needs by design; those are counted in `tolerated`."""
-
-    tolerated: list[str] = []
-
-    def __init__(self, trainer: Any):
-        from tricorn.host_reads import HostReadCounter
-
-        self.counter = HostReadCounter(trainer.optimizer.host_scalars(), trainer.state.device)
-
-    def __enter__(self) -> _ReadsAsSyncs:
-        self.counter.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.counter.__exit__(*exc)
-        reads = [w for w in self.counter.where if " at moe.py:" not in w]
-        _ReadsAsSyncs.tolerated += [w for w in self.counter.where if " at moe.py:" in w]
-        if reads and exc[0] is None:
-            raise RuntimeError(f"synchronising read in a non-logging iteration: {reads[0]}")
-
-
-@contextlib.contextmanager
-def _sync_errors(_trainer: Any):
-    torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call now raises
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def check_sync_debug(r: Runner, c: Check, base: dict) -> None:
