@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import real_tokenizers as real
 from harness import run_layout
+from test_hf import save_hf
 
 from tricorn.checkpoint.interop.hf import export_hf, import_hf
 from tricorn.data.preprocess import main as preprocess_main
@@ -58,21 +59,7 @@ def test_llama3_shaped_tiny_run_trains_on_llama3_tokenizer_model(tmp_path):
 
 
 def _tiny_hf_with_tokenizer(path: Path, tokenizer_dir: Path, vocab: int) -> None:
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    save_hf(path, sharded=False, vocab_size=vocab, num_hidden_layers=1, max_position_embeddings=64, tie_word_embeddings=True)
     for f in tokenizer_dir.iterdir():
         shutil.copyfile(f, path / f.name)
 
