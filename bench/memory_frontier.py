@@ -7,7 +7,8 @@
 llama3-70b on 16 x H100 80GB as TP 8 x PP 2 (sequence parallel), seq 8192, micro batch 1, global batch 512, bf16:
 today's defaults, then each feature alone, then all together - the worst rank's device bytes by `tricorn estimate`
 (CUDA context included), the host memory the offloads take, the saving against the defaults, and whether it
-fits in 90% of the device (tricorn plan's margin). `tricorn simulate` measures these peaks within 1% (docs/memory.md).
+fits in 90% of the device (tricorn plan's margin). docs/memory.md ("Checked at 70B") gives `tricorn simulate`'s
+measured peaks of this layout against these estimates (one-off runs of 2-6 minutes per rank, not this script).
 Not run by CI.
 """
 

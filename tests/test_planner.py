@@ -229,7 +229,7 @@ def test_planner_considers_the_zero_bubble_schedules_and_writes_the_flag() -> No
         assert validate_pipeline(cfg) == []
 
 
-def test_documents_and_windows_shrink_the_attention_time_not_the_model_flops(capsys) -> None:
+def test_documents_and_windows_shrink_the_attention_time_not_the_model_flops(capsys, tmp_path) -> None:
     """--reset-attention-mask with --document-length and --window-size scale the attention core's time by the pairs
     they leave (flops.attention_work); the plan says so, and its sbatch script carries the flags."""
     m = ModelConfig(**{**PRESETS["llama3-8b"], "seq_length": 8192, "max_position_embeddings": 8192})
@@ -239,5 +239,9 @@ def test_documents_and_windows_shrink_the_attention_time_not_the_model_flops(cap
     assert step_time(m, short, cluster, 256)[0] < 0.9 * step_time(m, base, cluster, 256)[0]
     argv = "--model-preset llama3-8b --gpus 8 --gpu-type h100-80gb --seq-length 8192 --max-position-embeddings 8192".split()
     argv += ["--global-batch-size", "256", "--reset-attention-mask", "--eod-mask-loss", "--window-size", "4095,0"]
-    assert plan_cli.main([*argv, "--document-length", "1024", "--top-k", "1"]) == 0
+    script = tmp_path / "job.sbatch"
+    assert plan_cli.main([*argv, "--document-length", "1024", "--top-k", "1", "--emit-sbatch", str(script)]) == 0
     assert "(window 4095, documents of 1024 tokens)" in capsys.readouterr().out
+    words = script.read_text().split()
+    assert {"--reset-attention-mask", "--eod-mask-loss"} <= set(words) and "--reset-position-ids" not in words
+    assert words[words.index("--window-size") + 1] == "4095,0"

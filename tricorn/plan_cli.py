@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
         "--memory-features",
         choices=FEATURE_MODES,
         default="auto",
-        help="Try bf16 moments, activation offload and optimizer offload on layouts that do not fit: auto (when fewer "
+        help="Try bf16 moments, FP8 primary weights (with tensorwise FP8), activation offload and optimizer offload on layouts that do not fit: auto (when fewer "
         "than --top-k fit without them), all, off (docs/memory.md).",
     )
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)

@@ -54,17 +54,12 @@ from tricorn.planning.activations import (  # noqa: F401 - re-exported: the esti
 from tricorn.planning.context_comm import cp_transient_bytes, masked_transient_bytes
 from tricorn.planning.fp8_terms import fp8_terms
 from tricorn.planning.layout import Layout
-from tricorn.planning.params import (  # noqa: F401 - re-exported: the estimator's parameter counts live here too
-    _attention_sizes,
-    _mlp_params,
-    _mlp_sizes,
+from tricorn.planning.params import (  # noqa: F401 - active_params, expert_params, total_params re-exported
     active_params,
     expert_params,
     fp8_primary_elements,
     fp8_weight_mask,
-    layer_param_sizes,
     layer_params_per_rank,
-    mlp_params_per_rank,
     stage_expert_params_per_rank,
     stage_layer_counts,
     stage_param_parts,
@@ -72,7 +67,6 @@ from tricorn.planning.params import (  # noqa: F401 - re-exported: the estimator
     total_params,
 )
 from tricorn.planning.stage_activations import (  # noqa: F401 - stage_activation_bytes re-exported
-    offload_host_bytes,
     stage_activation_bytes,
     stage_units,
 )
