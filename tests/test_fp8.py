@@ -92,6 +92,9 @@ def test_the_cpu_gemm_is_scaled_mms_product_and_fake_tensors_keep_scaled_mm(firs
             self.names.append(getattr(func, "__name__", str(func)))
             return func(*args, **(kwargs or {}))
 
+    with Calls() as real:
+        scaled_mm(a, a_inv, b, b_inv)
+    assert "mm" in real.names and "_scaled_mm" not in real.names, real.names
     with FakeTensorMode() as mode, Calls() as calls:
         fake = [mode.from_tensor(t) for t in (a, a_inv, b, b_inv)]
         out = scaled_mm(*fake)

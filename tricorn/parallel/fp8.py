@@ -143,8 +143,8 @@ def scaled_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torc
 
 def dequantised_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor) -> torch.Tensor:
     """The CPU's FP8 GEMM: both operands dequantised to fp32 (exact: an FP8 value times a power of two), one fp32
-    GEMM, one rounding to bf16: the product torch 2.13's CPU `_scaled_mm` computes (within the same bound, and bit
-    for bit where it takes its fast path, as with an e5m2 first operand on CI's CPU). With an e4m3 first operand
+    GEMM, one rounding to bf16: the product torch 2.13's CPU `_scaled_mm` computes, within the same float64 bound
+    (tests/test_fp8.py; on CI's CPU its fast e5m2 path gave the same bits, not asserted). With an e4m3 first operand
     some CPUs (Sapphire Rapids, AVX512-FP16) take its scalar reference loop instead, about 1000x slower (35 s for
     one 1024^3 GEMM), which made FP8 runs on those CPUs unusable.
     CUDA always calls `_scaled_mm`; fake tensors (`tricorn simulate`) too, so the measured peak holds no fp32
