@@ -137,13 +137,14 @@ def test_validation_losses_are_megatrons(tmp_path):
 
 def test_megatrons_command_line_trains_unchanged(tmp_path):
     """The Megatron command line of a fixture run (fusion switches, --use-cpu-initialization, --distributed-backend
-    gloo, its data and tokenizer flags, ...) trains in tricorn as it is, after one line naming the no-ops."""
-    argv = megatron_run("llama_dp1")["argv"]
-    run = run_layout(argv, 1, workdir(tmp_path / "run"))
+    gloo, its data and tokenizer flags, ...) trains in tricorn as it is, after one line naming the no-ops: from
+    Megatron's initial weights (the one flag added, --load), on Megatron's own curve, and saves where it said."""
+    run = continue_in_tricorn("llama_dp1", tmp_path, source="iteration0", megatron_argv=True)
     notice = next(line for line in run.stdout.splitlines() if line.startswith("tricorn: "))
     assert "--use-cpu-initialization" in notice and "--no-rope-fusion" in notice, notice
-    assert [r["iteration"] for r in run.records if "loss" in r] == list(range(1, N + 1)), run.stdout[-2000:]
-    assert (tmp_path / "run" / "megatron" / "latest_checkpointed_iteration.txt").read_text().strip() == str(N)
+    assert_follows_megatron(run, "llama_dp1", 1)
+    work = tmp_path / "run-llama_dp1-iteration0-1-0"  # continue_in_tricorn's run directory: Megatron's --save megatron
+    assert (work / "megatron" / "latest_checkpointed_iteration.txt").read_text().strip() == str(N)
 
 
 def test_a_default_megatron_save_reads_safely():
