@@ -32,6 +32,7 @@ from tricorn.parallel.precision import (
     stochastic_round_bf16,
     stochastic_store,
     to_storage,
+    validate_precision,
 )
 from tricorn.planning.memory import estimate_config
 
@@ -279,6 +280,16 @@ BAD = [
 @pytest.mark.parametrize("extra,needle", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_bad_input_is_one_line(tmp_path, extra, needle):
     assert_refused(BASE_FLAGS + extra, tmp_path, needle=needle)
+
+
+def test_fp16_moments_are_refused_under_expert_parallelism():
+    """Their bounds are per local parameter slot, MAX-reduced over the stage: under EP a slot is another expert on
+    each EP rank, so they are refused there (before launch), and bf16 moments are not."""
+    moe = BASE_FLAGS + PA + DIST + ["--num-experts", "4", "--expert-model-parallel-size", "2"]
+    fp16 = validate_precision(config_from_args(moe + ["--exp-avg-sq-dtype", "fp16"], world_size=2))
+    assert len(fp16) == 1 and "--exp-avg-sq-dtype fp16 with --expert-model-parallel-size 2" in fp16[0], fp16
+    assert validate_precision(config_from_args(moe + ["--exp-avg-sq-dtype", "bf16"], world_size=2)) == []
+    assert validate_precision(config_from_args(BASE_FLAGS + PA + ["--exp-avg-sq-dtype", "fp16"], world_size=2)) == []
 
 
 def test_estimate_counts_the_stored_dtypes():

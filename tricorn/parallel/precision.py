@@ -108,6 +108,15 @@ def validate_precision(cfg: Config) -> list[str]:
             f"--main-params-dtype {t.main_params_dtype} needs {want}: a 16-bit master is the parameters themselves, "
             f"and {params} parameters hold what a {t.main_params_dtype} master could not; use --main-params-dtype fp32"
         )
+    fp16 = [f for f in ("--exp-avg-dtype", "--exp-avg-sq-dtype") if chosen[f] == "fp16"]
+    if fp16 and cfg.parallel.expert_model_parallel_size > 1:
+        # The bounds are a vector over the rank's parameters, MAX-reduced over the stage: under EP the same slot
+        # holds another expert on each EP rank, so a bound would mix experts and differ from one process's.
+        errs.append(
+            f"{' '.join(f + ' fp16' for f in fp16)} with --expert-model-parallel-size "
+            f"{cfg.parallel.expert_model_parallel_size}: fp16 moments' per-tensor bounds are not kept per expert across "
+            "expert-parallel ranks; use bf16 moments (--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16) with expert parallelism"
+        )
     if t.fp8_param_gather and t.main_params_dtype != "fp32":
         errs.append(
             f"--fp8-param-gather needs --main-params-dtype fp32: the FP8 weights are cast from the fp32 master, their "
