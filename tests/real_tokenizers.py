@@ -19,6 +19,7 @@ Only the standard library: the fixture script runs it in megatron's environment.
 
 from __future__ import annotations
 
+import ast
 import base64
 import hashlib
 import json
@@ -128,6 +129,30 @@ def _json_bytes(obj) -> bytes:
 
 def llama3_tokenizer_model() -> Path:
     return _extracted("llama-models", "llama_models/llama3/tokenizer.model", "llama3/tokenizer.model")
+
+
+def llama3_reference() -> tuple[str, tuple[str, ...]]:
+    """(split pattern, special tokens) as llama-models' own Tokenizer (llama_models/llama3/tokenizer.py, in the same
+    pinned wheel as the file) defines them, read from its source without running it: the class's `pat_str`, the
+    named specials listed in __init__, then `num_reserved_special_tokens` less those, numbered from 2 as it does."""
+    tree = ast.parse(_member(_package("llama-models"), "llama_models/llama3/tokenizer.py").decode("utf-8"))
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Tokenizer")
+    consts = {
+        t.id: n.value.value
+        for n in cls.body
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+    named = next(
+        [e.value for e in n.value.elts]
+        for n in ast.walk(cls)
+        if isinstance(n, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "special_tokens" for t in n.targets)
+        and isinstance(n.value, ast.List)
+    )
+    reserved = [f"<|reserved_special_token_{2 + i}|>" for i in range(consts["num_reserved_special_tokens"] - len(named))]
+    return consts["pat_str"], tuple(named + reserved)
 
 
 def tekken_json() -> Path:
@@ -304,20 +329,18 @@ def hf_llama3_dir() -> Path:
     folder = cache_dir() / "files" / "hf-llama3"
     if (folder / "tokenizer.json").is_file():
         return folder
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the special tokens and the split regex: tricorn's
-    from tricorn.data.tiktoken_tokenizers import LLAMA3_PATTERN, LLAMA3_SPECIAL_TOKENS
-
+    pattern, specials = llama3_reference()  # llama-models' own, not tricorn's constants
     lines = llama3_tokenizer_model().read_bytes().splitlines()
     ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in lines if line.strip())}
     b2u = bytes_to_unicode()
     text = lambda b: "".join(b2u[x] for x in b)  # noqa: E731
     vocab = {text(t): r for t, r in ranks.items()}
     merges = [f"{text(a)} {text(b)}" for a, b in converter_merges(ranks)]
-    added = [_added(t, len(ranks) + i) for i, t in enumerate(LLAMA3_SPECIAL_TOKENS)]
+    added = [_added(t, len(ranks) + i) for i, t in enumerate(specials)]
     pre = {
         "type": "Sequence",
         "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated", "invert": False},
+            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
         ],
     }

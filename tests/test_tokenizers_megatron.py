@@ -131,10 +131,13 @@ def test_megatron_golden_ids_from_the_real_files(files):
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
-    # tiktoken's own reading of the file, with Llama 3's pattern and specials: the ids after BOS are its ids.
-    specials = {t: 128000 + i for i, t in enumerate(LLAMA3_SPECIAL_TOKENS)}
+    # tiktoken's own reading of the file, with the pattern and specials of llama-models' own Tokenizer (read from the
+    # wheel's source, not tricorn's constants): the ids after BOS are its ids.
+    pattern, named = real.llama3_reference()
+    assert (pattern, named) == (LLAMA3_PATTERN, LLAMA3_SPECIAL_TOKENS)
+    specials = {t: 128000 + i for i, t in enumerate(named)}
     ref = tiktoken.Encoding(
-        "ref", pat_str=LLAMA3_PATTERN, mergeable_ranks=load_tiktoken_bpe(files["llama3_model"]), special_tokens=specials
+        "ref", pat_str=pattern, mergeable_ranks=load_tiktoken_bpe(files["llama3_model"]), special_tokens=specials
     )
     assert (
         llama.encode(text)

@@ -118,9 +118,7 @@ def _init_worker(
     global _tokenizer, _settings
     if threads == 1:  # a spawned worker is one CPU of --workers: no thread pool inside the tokenizer library
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _tokenizer = build_tokenizer_with(options)
-    if append_eod and _tokenizer.eod < 0:
-        raise DataError(f"--append-eod: tokenizer {options.source()} has no end-of-document (eos) token; drop --append-eod")
+    _tokenizer = build_tokenizer_with(options)  # the parent has checked it (--append-eod with no eod refused there)
     typecode = "H" if best_token_dtype(_tokenizer.vocab_size) == np.uint16 else "i"
     _settings = dict(keys=keys, append_eod=append_eod, typecode=typecode, drop_blank=drop_blank)
 

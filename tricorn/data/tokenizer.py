@@ -201,12 +201,6 @@ class TokenizerOptions:
         return self.tokenizer_model or self.vocab_file or self.tokenizer_type
 
 
-def build_tokenizer_from(
-    tokenizer_type: str, tokenizer_model: Optional[str], vocab_size: Optional[int], legacy: bool = False
-) -> Tokenizer:
-    return build_tokenizer_with(TokenizerOptions(tokenizer_type, tokenizer_model, vocab_size, legacy))
-
-
 # Built tokenizers by (options, the files' sizes and times): a run builds its tokenizer before launch and again for
 # the loaders, and a 128k-token BPE takes a second or two to load. A changed file is a new key.
 _built: dict[tuple, Tokenizer] = {}
