@@ -183,6 +183,9 @@ def test_rope_theta_is_read_where_transformers_4_and_5_put_it():
         ("qwen3_moe", dict(norm_topk_prob=True, mlp_only_layers=[1]), "mlp_only_layers [1]"),
         ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise 0.1"),
         ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1), "on 1 of 2 layers"),
+        ("qwen2", dict(layer_types=["bogus", "bogus"]), "layer_types ['bogus', 'bogus']"),
+        ("qwen3", dict(layer_types=["full_attention"]), "layer_types ['full_attention']"),  # 1 type for 2 layers
+        ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=None), "max_window_layers None"),
         (
             "qwen3",
             dict(use_sliding_window=True, sliding_window=32, layer_types=["full_attention", "sliding_attention"]),
@@ -235,14 +238,21 @@ def test_mistral_sliding_window_is_window_size_n_minus_1(tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 8
 
 
+def _config_class(family: str):
+    return getattr(
+        transformers, next(f for f in FAMILIES.values() if f.model_type == family).architecture[: -len("ForCausalLM")] + "Config"
+    )
+
+
 def test_family_defaults_are_transformers():
-    """FAMILY_DEFAULTS (keys a config.json may leave out) against transformers 4.57's config classes."""
-    classes = {f.model_type: getattr(transformers, f.architecture.replace("ForCausalLM", "Config")) for f in FAMILIES.values()}
+    """FAMILY_DEFAULTS (keys a config.json may leave out) against transformers 4.57's config classes. sliding_window
+    against the class with its switch on: Qwen2/3's and Qwen3-MoE's config keeps it only then."""
     for family, defaults in FAMILY_DEFAULTS.items():
-        theirs = classes[family]()
+        plain, switched_on = _config_class(family)(), _config_class(family)(use_sliding_window=True)
         for key, value in defaults.items():
-            if key in ("use_sliding_window", "hidden_act") or not hasattr(theirs, key):
-                continue  # families without the switch apply any window; hidden_act is CHECKED, not a default
+            theirs = switched_on if key == "sliding_window" else plain
+            if key == "hidden_act" or not hasattr(theirs, key):
+                continue  # families without the switch apply any window they have; hidden_act is CHECKED, not a default
             want = theirs.num_attention_heads if value == "heads" else value
             got = getattr(theirs, key)
             if value == "hidden/heads":  # transformers 4.57's Mistral and Mixtral: None, which means the same
@@ -251,6 +261,63 @@ def test_family_defaults_are_transformers():
                     got or theirs.hidden_size // theirs.num_attention_heads,
                 )
             assert got == want, (family, key, got, want)
+
+
+def _transformers_window(config: dict) -> list:
+    """The window transformers 4.57 applies on each layer of `config` (None: full attention): Qwen2/3's attention reads
+    its config's layer_types (built from use_sliding_window, sliding_window and max_window_layers when absent); the
+    other families' apply their config's sliding_window on every layer."""
+    theirs = _config_class(config["model_type"])(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    types = getattr(theirs, "layer_types", None) or ["sliding_attention"] * theirs.num_hidden_layers
+    return [theirs.sliding_window if t == "sliding_attention" else None for t in types]
+
+
+@pytest.mark.parametrize(
+    "family, keys",
+    [
+        ("qwen2", dict(use_sliding_window=True, sliding_window=32)),  # max_window_layers 28: no layer of 2 has it
+        ("qwen3", dict(use_sliding_window=True, sliding_window=32)),
+        ("qwen2", dict(use_sliding_window=True)),  # sliding_window 4096 too
+        ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0)),  # every layer
+        ("qwen3", dict(use_sliding_window=True, sliding_window=32, max_window_layers=2)),  # none
+        ("qwen2", dict(use_sliding_window=True, sliding_window=32, num_hidden_layers=30)),  # layers 28 and 29: refused
+        ("qwen3", dict(use_sliding_window=True, max_window_layers=1, max_position_embeddings=8192)),  # 4096 on layer 1
+        ("qwen3", dict(use_sliding_window=True, sliding_window=None, max_window_layers=0)),  # a null window: none
+        ("qwen3_moe", dict(use_sliding_window=True, sliding_window=32, norm_topk_prob=True)),  # Qwen3-MoE: every layer
+        ("qwen3_moe", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1, norm_topk_prob=True)),  # unread
+        ("mistral", dict(max_position_embeddings=8192)),  # 4096 on every layer
+        ("mixtral", dict(max_position_embeddings=8192)),  # none
+    ],
+)
+def test_absent_window_keys_mean_what_they_mean_to_transformers(family, keys):
+    """The sliding window of a config.json that leaves out sliding_window or max_window_layers: the one transformers
+    applies on every layer (--window-size N-1,0), none, or refused naming the window when only some layers have it."""
+    config = _config(family, **keys)
+    per_layer = _transformers_window(config)
+    if len(set(per_layer)) > 1:
+        with pytest.raises(ConvertError, match=f"sliding_window {max(w for w in per_layer if w)} below"):
+            model_config_from_hf(config)
+        return
+    window = per_layer[0] if per_layer[0] is not None and per_layer[0] < config["max_position_embeddings"] else None
+    assert model_config_from_hf(config).window_size == (None if window is None else [window - 1, 0]), per_layer
+
+
+def test_qwen2_window_switched_on_below_max_window_layers_imports_without_a_window(tmp_path):
+    """Qwen2 with use_sliding_window and an 8-key window but no max_window_layers (28: no layer of 2 has the window):
+    tricorn's logits are transformers', which are those without the window."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(**{**SMALL, "use_sliding_window": True, "sliding_window": 8})
+    hf = transformers.Qwen2ForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for key in ("max_window_layers", "layer_types"):  # what a config.json written before layer_types existed holds
+        saved.pop(key)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(saved))
+    ckpt = import_hf(tmp_path / "hf", tmp_path / "ckpt", **QUIET)
+    assert read_model_config(ckpt).window_size is None
+    tok = tokens()
+    with torch.no_grad():
+        assert_logits_close(tricorn_model(ckpt)(tok), hf(tok).logits)
 
 
 def test_unsupported_family_names_the_supported_ones():

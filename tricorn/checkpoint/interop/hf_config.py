@@ -22,9 +22,11 @@ checked against transformers' config classes by tests/test_hf_families.py).
 Sliding windows: transformers masks key j for query i when i - j >= window, so `sliding_window: N` lets a query
 see N keys, itself included: Megatron's and tricorn's `--window-size N-1,0` (keys i - (N - 1) .. i;
 tricorn/model/masking.py), which import-hf sets and export-hf writes back as N (Mistral and Mixtral, whose every
-layer has the window). A window of at least max_position_embeddings never masks anything at the longest sequence
-the model runs, so it is dropped. A window on some layers only (Qwen2/3's max_window_layers or layer_types) is
-refused: tricorn's window is the same on every layer.
+layer has the window). Absent keys are transformers' defaults here too: Qwen2/3's window (sliding_window 4096 when
+use_sliding_window is on) is on layers max_window_layers (28) and up only, so none of a model of at most 28 layers
+has it; Qwen3-MoE's is on every layer. A window on no layer, or of at least max_position_embeddings (it never masks
+anything at the longest sequence the model runs), is dropped. A window on some layers only (Qwen2/3's
+max_window_layers or layer_types) is refused: tricorn's window is the same on every layer.
 
 Pure functions, no files, no collectives.
 """
@@ -79,14 +81,17 @@ _COMMON_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",
     "sliding_window": None,
     "use_sliding_window": True,  # families without the switch apply any window they have
+    # max_window_layers: only Qwen2/3 have it (the window's first layer); the other families window every layer
     "attention_bias": False,
     "mlp_bias": False,
 }
+# Qwen2/3: a window of 4096 keys when use_sliding_window is on, on the layers from max_window_layers on.
+_QWEN_WINDOW = {**_COMMON_DEFAULTS, "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {**_COMMON_DEFAULTS, "max_position_embeddings": 2048},
     "mistral": {**_COMMON_DEFAULTS, "max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
-    "qwen2": {**_COMMON_DEFAULTS, "max_position_embeddings": 32768, "use_sliding_window": False},
-    "qwen3": {**_COMMON_DEFAULTS, "max_position_embeddings": 32768, "use_sliding_window": False, "head_dim": 128},
+    "qwen2": {**_QWEN_WINDOW, "max_position_embeddings": 32768},
+    "qwen3": {**_QWEN_WINDOW, "max_position_embeddings": 32768, "head_dim": 128},
     "mixtral": {
         **_COMMON_DEFAULTS,
         "max_position_embeddings": 131072,
@@ -103,6 +108,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 32768,
         "num_key_value_heads": 4,
         "use_sliding_window": False,
+        "sliding_window": 4096,  # on every layer: Qwen3-MoE has no max_window_layers
         "num_experts": 128,
         "num_experts_per_tok": 8,
         "moe_intermediate_size": 768,
@@ -270,20 +276,31 @@ def _rope(hf: dict, defaults: dict) -> tuple[dict, list[str]]:
     return rope, problems
 
 
-def _window(hf: dict, family: Family, defaults: dict, layers: int, max_pos: int) -> tuple[Optional[int], Optional[str]]:
+def _window(hf: dict, defaults: dict, layers: int, max_pos: int) -> tuple[Optional[int], Optional[str]]:
     """(transformers' sliding_window when it limits attention on every layer, the problem with the window if one
-    limits some layers only) (module docstring)."""
+    limits some layers only) (module docstring). A null sliding_window is no window, as in transformers; an absent
+    one the family's default."""
     window = hf.get("sliding_window", defaults["sliding_window"])
     if not hf.get("use_sliding_window", defaults["use_sliding_window"]):
-        window = None  # Qwen2/3: the window exists only with use_sliding_window
+        window = None  # Qwen2/3 and Qwen3-MoE: the window exists only with use_sliding_window
     types = hf.get("layer_types")
     if types is not None:
-        if len(types) != layers or any(t not in ("full_attention", "sliding_attention") for t in types):
-            return f"layer_types {types!r}"
+        if (
+            not isinstance(types, list)
+            or len(types) != layers
+            or any(t not in ("full_attention", "sliding_attention") for t in types)
+        ):
+            return None, f"layer_types {types!r} (one of full_attention, sliding_attention per layer)"
         windowed = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    else:  # transformers 4's Qwen2/3: the layers from max_window_layers on; Mistral and Mixtral: every layer
-        first = hf.get("max_window_layers") or 0 if family.model_type.startswith("qwen") else 0
+    elif window is None:
+        windowed = []
+    elif "max_window_layers" in defaults:  # Qwen2/3 without layer_types: the layers from max_window_layers on
+        first = hf.get("max_window_layers", defaults["max_window_layers"])
+        if not isinstance(first, int) or isinstance(first, bool):
+            return None, f"max_window_layers {first!r} (the first layer with the window)"
         windowed = list(range(first, layers))
+    else:  # Mistral, Mixtral, Qwen3-MoE: every layer
+        windowed = list(range(layers))
     if not windowed or window is None or window >= max_pos:
         return None, None
     if len(windowed) == layers:
@@ -324,7 +341,7 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     max_pos = value("max_position_embeddings")
     rope, problems = _rope(hf, defaults)
     problems += _problems(hf, family, defaults)
-    window, problem = _window(hf, family, defaults, layers, max_pos)
+    window, problem = _window(hf, defaults, layers, max_pos)
     problems += [problem] if problem else []
     if problems:
         raise ConvertError(f"{where}: {family.architecture} with what tricorn does not implement: {'; '.join(problems)}")
