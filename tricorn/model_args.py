@@ -61,8 +61,6 @@ _DERIVED = {
 def conflicts(model: ModelConfig, given: dict[str, Any], unset_is_free: bool) -> list[str]:
     """`flags contradicts ..., which ...` without the subject's name, for each architecture field in `given` (field ->
     value) that changes `model`. unset_is_free: a field `model` leaves None is the run's to give (a preset's)."""
-    import dataclasses
-
     given = {k: v for k, v in given.items() if k in ARCHITECTURE_FIELDS}
     changed = dataclasses.replace(model, **given)
     out = []
