@@ -54,6 +54,9 @@ LAYOUTS = {
     "fp16-dynamic": ["--fp16", "--initial-loss-scale", "1024"],
     "loss-scale": ["--bf16", "--loss-scale", "128"],
     "offload": ["--bf16", *DISTOPT, "--optimizer-cpu-offload"],
+    # fp16 moments' per-parameter scales and FP8 primary weights' amaxes: scattered and gathered on the device.
+    "precision-fp16-moments": ["--bf16", *DISTOPT, "--use-precision-aware-optimizer", "--exp-avg-dtype", "fp16"],
+    "fp8-param-gather": ["--bf16", *DISTOPT, "--fp8-format", "e4m3", "--fp8-param-gather"],
     "spiky-loss": ["--bf16", *DISTOPT, "--check-for-spiky-loss"],  # the spike veto's device work in the step
     # Documents and a window: positions copied with the microbatch, the bounds read on the host (model/masking.py).
     "cp2-documents-window": [

@@ -36,6 +36,7 @@ from tricorn.config import Config
 from tricorn.parallel.data_parallel import Bucket, DataParallel
 from tricorn.parallel.fp8 import quantize, scale_for
 from tricorn.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from tricorn.pinned import host_buffer, is_pinned
 
 FP8_ATTR = "fp8_primary"  # marks a weight stored in FP8 (set before DataParallel plans its buckets)
 STORAGE = torch.uint8  # FP8 bytes: collectives (gloo, NCCL) carry no float8 dtypes
@@ -96,6 +97,16 @@ class FP8Params:
         self.index = {id(p): k for k, p in enumerate(self.params)}
         device = self.shards[0].bucket.param_flat.device if self.shards else torch.device("cpu")
         self.scales = torch.ones(len(self.params), dtype=torch.float32, device=device)
+        # Each shard's entries' weights in self.params, a LongTensor on the device built once (a Python list as an
+        # index would be a host tensor copied over, blocking, at every cast).
+        self.positions = [
+            torch.tensor([self.index[id(p)] for p, *_ in s.entries], dtype=torch.long, device=device) for s in self.shards
+        ]
+        # --optimizer-cpu-offload: the masters are on the host, and so is the cast. Every scale comes over in one
+        # copy per cast into pinned memory (as the gradients do: shard_state.py), and each shard's FP8 bytes go back
+        # from its pinned staging buffer (the 16-bit one ShardState made for this bucket, of twice the bytes needed).
+        offloaded = any(s.param_staging is not None for s in self.shards)
+        self.host_scales = host_buffer(len(self.params), torch.float32, True) if offloaded else None
         self.zero3 = any(b.param_shard is not None for dp in data_parallel for b in dp.buckets)
         for s in self.shards:
             self._to_fp8_storage(s.bucket)
@@ -132,12 +143,16 @@ class FP8Params:
         if not self.shards:
             return
         amax = torch.zeros(len(self.params), dtype=torch.float32, device=self.scales.device)
-        for s in self.shards:
+        for s, positions in zip(self.shards, self.positions):
             if s.entries:
                 local = torch._foreach_norm([s.master[lo:hi] for _, lo, hi, _ in s.entries], float("inf"))
-                amax[[self.index[id(p)] for p, *_ in s.entries]] = torch.stack(local).to(amax.device, torch.float32)
+                amax.index_copy_(0, positions, torch.stack(local).to(amax.device, torch.float32))
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         self.scales.copy_(scale_for(amax, self.dtype))
+        if self.host_scales is not None:  # the host casts: every scale in one copy, and one wait for it
+            self.host_scales.copy_(self.scales, non_blocking=is_pinned(self.host_scales))
+            if self.scales.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
         for s in self.shards:
             self.cast_shard(s)
             if start_gathers:
@@ -145,11 +160,20 @@ class FP8Params:
 
     def cast_shard(self, s) -> None:
         """The owned master range of one FP8 bucket, cast with each weight's scale into the bucket's FP8 shard."""
-        target = s.bucket.shard_param().view(self.dtype)
+        target = s.bucket.shard_param()
+        if s.param_staging is None:  # the masters beside the parameters: cast straight into the FP8 shard
+            for p, lo, hi, _ in s.entries:
+                scale = self.scales[self.index[id(p)]]
+                target.view(self.dtype)[lo:hi].copy_(quantize(s.master[lo:hi], scale, self.dtype))
+            return
+        # Offloaded: cast on the host (scales: host_scales, copied in cast_all) into the pinned staging bytes (the
+        # shard's other elements stay zero, as on the device), then one asynchronous host-to-device copy, as
+        # ShardState._copy_to_params does. The next write to the staging buffer follows a stream synchronize.
+        staging = s.param_staging.view(STORAGE)[: target.numel()]
         for p, lo, hi, _ in s.entries:
-            scale = self.scales[self.index[id(p)]].to(s.master.device)
-            q = quantize(s.master[lo:hi], scale, self.dtype)
-            target[lo:hi].copy_(q, non_blocking=q.device != target.device)
+            scale = self.host_scales[self.index[id(p)]]
+            staging.view(self.dtype)[lo:hi].copy_(quantize(s.master[lo:hi], scale, self.dtype))
+        target.copy_(staging, non_blocking=True)
 
 
 def fp8_params_for(cfg: Config, data_parallel: list[DataParallel], shards: list, group: Optional[dist.ProcessGroup]):

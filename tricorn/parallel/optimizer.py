@@ -224,7 +224,7 @@ class Optimizer:
         for s, g in zip(self.shards, grads):
             if s.entries:
                 local = torch._foreach_norm([g[lo:hi] for _, lo, hi, _ in s.entries], float("inf"))
-                amax[s.index] = torch.stack(local).to(amax.device, torch.float32)
+                amax.index_copy_(0, s.index, torch.stack(local).to(amax.device, torch.float32))  # index on the device
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.stage_group)
         t = self.cfg.training
         for name, beta, g in (("exp_avg", t.adam_beta1, amax), ("exp_avg_sq", t.adam_beta2, amax * amax)):

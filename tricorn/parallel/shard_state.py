@@ -96,6 +96,7 @@ class ShardState:
         self.offloaded = offload
         self.dtypes = dtypes
         home = torch.device("cpu") if offload else shard.device
+        self.device = shard.device  # the parameters' (the run's) device, where per-parameter vectors such as scales live
         pin = offload and pins_host_memory(shard.device)
         # Parameters of the master's dtype on the device are their own master copy.
         self.alias = shard.dtype == dtypes.master and not offload
@@ -113,7 +114,9 @@ class ShardState:
             a, b = bucket.owned(s)
             if a < b:
                 self.entries.append((s.param, a - bucket.lo, b - bucket.lo, a - s.offset))
-        self.index: list[int] = []  # each entry's parameter in Optimizer.params (set_param_index): fp16 moments' scales
+        # Each entry's parameter in Optimizer.params (set_param_index: fp16 moments' scales), a LongTensor on the
+        # device, built once: a Python list as an index becomes a host tensor copied over (blocking) at every use.
+        self.index = torch.zeros(0, dtype=torch.long, device=self.device)
         self.ranges: list[KeyedRange] = []  # global coordinates of the owned elements (set_rounding_ranges)
         kind = adamw_kind(home)
         self.fused = "fused" in kind
@@ -137,7 +140,7 @@ class ShardState:
         return bool(self.entries)
 
     def set_param_index(self, index: dict[int, int]) -> None:
-        self.index = [index[id(p)] for p, *_ in self.entries]
+        self.index = torch.tensor([index[id(p)] for p, *_ in self.entries], dtype=torch.long, device=self.device)
 
     def set_rounding_ranges(self, names: dict[int, str]) -> None:
         """The global coordinates that key a 16-bit master's stochastic rounding (precision.keyed_ranges)."""
@@ -193,7 +196,7 @@ class ShardState:
         """Each entry's scale of moment `name` (fp16 moments only), on the states' device."""
         if name not in scales:
             return [None] * len(self.entries)
-        mine = scales[name][self.index].to(self.exp_avg.device)
+        mine = scales[name].index_select(0, self.index).to(self.exp_avg.device)
         return list(mine.unbind())
 
     def _precision_aware_step(self, grads: torch.Tensor, found_inf: Optional[torch.Tensor], ctx: StepContext) -> None:
