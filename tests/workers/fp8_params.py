@@ -1,4 +1,5 @@
-"""Worker: FP8 primary weights (--fp8-param-gather) on WORLD_SIZE gloo ranks (DP = WORLD_SIZE), ZeRO-1, 2 and 3.
+"""Worker: FP8 primary weights (--fp8-param-gather) on WORLD_SIZE gloo ranks (DP = WORLD_SIZE), ZeRO-1, 2 and 3, and
+ZeRO-1 and 3 with --optimizer-cpu-offload (under the pinned-memory stand-in, the branches CUDA takes).
 
 After two training iterations, for every FP8 weight: the FP8 bytes each rank holds after the gather (ZeRO-1: the
 full weight; ZeRO-3: inside gathered_params) equal, byte for byte, the cast one process makes of the whole fp32
@@ -21,6 +22,7 @@ from dist_opt import make_trainer  # noqa: E402
 from harness import BASE_FLAGS  # noqa: E402
 
 from tricorn.parallel.fp8 import quantize, scale_for  # noqa: E402
+from tricorn.pinned import stand_in  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -66,5 +68,10 @@ def check(extra: list[str]) -> None:
 if __name__ == "__main__":
     for extra in (["--use-distributed-optimizer"], ["--zero-stage", "2"], ["--zero-stage", "3"]):
         check(extra)
+    # --optimizer-cpu-offload with the CPU standing in for CUDA: the masters on the host, cast there with scales
+    # copied over once, and each bucket's bytes sent back from its pinned staging buffer (fp8_params.cast_shard).
+    with stand_in():
+        for extra in (["--use-distributed-optimizer"], ["--zero-stage", "3"]):
+            check(extra + ["--optimizer-cpu-offload"])
     if dist.get_rank() == 0:
         print("ok")
