@@ -2,7 +2,7 @@
 
 - Rounding (this process): stochastic rounding picks one of the two neighbours, unbiased; its random numbers
   depend on the global coordinates only (a TP/DP split of a tensor draws what the whole tensor draws); fp16
-  moments' power-of-two scales are exact; a precision-aware step is the fp32 step rounded.
+  moments' power-of-two scales are exact.
 - Layouts: each equals one process with the same settings (fp32 parameters: relative 1e-5, tests/harness.py);
   resume is bitwise; a checkpoint reshards and switches dtype on load with one line.
 - FP8 primary weights: the gathered FP8 bytes equal one process's cast of the master (tests/workers/fp8_params.py);

@@ -38,7 +38,8 @@ def bound_key(name: str, moment: str) -> str:
 
 def saved_fields(ps) -> tuple[str, ...]:
     """The optimizer fields a checkpoint keeps for a parameter: the moments, and the master where it is a copy
-    in another dtype (an fp32 master of 16-bit parameters; FP8 primary weights' fp32 master)."""
+    in another dtype (an fp32 master of 16-bit parameters). An FP8 primary weight's `value` is its fp32 master
+    (the FP8 bytes are a cast of it), so that master is saved as the model tensor, in fp32, not as a field."""
     return MOMENTS + (("master",) if ps.master.dtype != ps.value.dtype else ())
 
 
